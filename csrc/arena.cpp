@@ -1,0 +1,247 @@
+// arena.cpp — the budget-sized arena: validation, the allocated-block index, stats, and the
+// pressure protocol (search under the lock, release outside it, retry).
+#include "arena.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+
+#include "window.h"
+
+namespace pymem {
+
+namespace {
+
+// Depth of pressure handlers running on this thread. An allocation that finds no fit while its
+// own thread is inside a handler fails at once instead of recursing into the handler.
+thread_local int tls_handler_depth = 0;
+
+std::string hex(uintptr_t a) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(a));
+  return buf;
+}
+
+void check_cost(double cost) {
+  if (!(cost >= 0.0) || std::isinf(cost))
+    throw InvalidArgument("release cost must be a finite number >= 0, got " + std::to_string(cost));
+}
+
+void check_budget(size_t budget) {
+  if (budget < kAlignment)
+    throw InvalidArgument("budget must be at least " + std::to_string(kAlignment) +
+                          " bytes (the arena's alignment), got " + std::to_string(budget));
+  if (budget % kAlignment != 0)
+    throw InvalidArgument("budget must be a multiple of " + std::to_string(kAlignment) +
+                          " bytes, got " + std::to_string(budget));
+}
+
+}  // namespace
+
+std::unique_ptr<Arena> make_arena(const std::string& backing, const ArenaConfig& config) {
+  check_budget(config.budget);
+  if (backing == "host") return std::make_unique<Arena>(make_host_backing(config.budget), config);
+  if (backing == "virtual") return std::make_unique<Arena>(make_virtual_backing(config.budget), config);
+  throw InvalidArgument("backing must be 'host' or 'virtual' (CUDA arenas live in libpymem_cuda.so), got '" +
+                        backing + "'");
+}
+
+Arena::Arena(std::unique_ptr<Backing> backing, const ArenaConfig& config)
+    : backing_(std::move(backing)), budget_(config.budget), mode_(config.mode) {
+  check_budget(budget_);
+  if (!backing_ || backing_->size() != budget_ || backing_->base() % kAlignment != 0)
+    throw InvalidArgument("backing does not hold exactly the budget at an aligned base");
+
+  small_threshold_ = config.small_threshold;
+  size_t small = config.small_region;
+  if (small == SIZE_MAX) small = std::min(budget_ / 64, kDefaultSmallRegionCap);
+  small &= ~(kAlignment - 1);
+  if (small_threshold_ == 0 || small + kAlignment > budget_) small = 0;
+  if (small == 0) small_threshold_ = 0;
+
+  main_ = std::make_unique<Region>(base(), budget_ - small, RegionKind::Main);
+  if (small) small_ = std::make_unique<Region>(base() + budget_ - small, small, RegionKind::Small);
+  stats_.budget = budget_;
+}
+
+Arena::~Arena() = default;
+
+Block* Arena::try_allocate_locked(size_t rounded, CostClass cls) {
+  if (rounded <= small_threshold_) {
+    if (Block* b = small_->allocate(rounded, CostClass::Costly)) return b;
+  }
+  return main_->allocate(rounded, cls);
+}
+
+uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double cost, bool pinned) {
+  if (nbytes == 0) throw InvalidArgument("allocation size must be at least 1 byte, got 0");
+  check_cost(cost);
+  std::unique_lock<std::mutex> lock(mutex_);
+  if (nbytes > budget_) throw_out_of_budget_locked(nbytes, "the request is larger than the whole budget");
+  const size_t rounded = align_up(nbytes);
+  bool pressured = false;
+  for (;;) {
+    if (Block* b = try_allocate_locked(rounded, cls)) {
+      b->owner = owner;
+      b->cost = cost;
+      b->pinned = pinned;
+      b->requested = nbytes;
+      allocated_.emplace(b->addr, b);
+      stats_.num_allocs++;
+      stats_.allocated_bytes += rounded;
+      stats_.requested_bytes += nbytes;
+      stats_.num_allocated_blocks++;
+      if (pinned) stats_.pinned_bytes += rounded;
+      if (stats_.allocated_bytes > stats_.peak_allocated_bytes)
+        stats_.peak_allocated_bytes = stats_.allocated_bytes;
+      return b->addr;
+    }
+    if (!pressured) {
+      pressured = true;
+      stats_.num_pressure_events++;
+      stats_.pressure_free_ratio_sum += double(budget_ - stats_.allocated_bytes) / double(budget_);
+    }
+    if (!handler_ || tls_handler_depth > 0)
+      throw_out_of_budget_locked(nbytes, "no pressure handler can release memory");
+    Window w = search_locked(rounded);
+    if (!w.found) throw_out_of_budget_locked(nbytes, "no releasable window covers the request");
+    PressureHandler handler = handler_;
+    const uint64_t frees_before = stats_.num_frees;
+    lock.unlock();
+    {
+      struct Depth {  // keeps the counters right if the handler throws
+        std::atomic<int>& running;
+        explicit Depth(std::atomic<int>& r) : running(r) { ++tls_handler_depth; ++running; }
+        ~Depth() { --tls_handler_depth; --running; }
+      } depth(handlers_running_);
+      handler(rounded, w);
+    }
+    lock.lock();
+    if (stats_.num_frees == frees_before)
+      throw_out_of_budget_locked(nbytes, "the pressure handler released nothing");
+  }
+}
+
+void Arena::throw_out_of_budget_locked(size_t nbytes, const char* why) {
+  stats_.num_ooms++;
+  const size_t largest = std::max(main_->largest_free(), small_ ? small_->largest_free() : 0);
+  size_t unowned = 0;
+  for (const auto& [addr, b] : allocated_)
+    if (b->owner == 0) unowned += b->size;
+  std::string msg = "pymem: out of budget: cannot allocate " + std::to_string(nbytes) +
+                    " bytes (" + std::to_string(align_up(nbytes)) + " rounded) in a budget of " +
+                    std::to_string(budget_) + " bytes: " + std::to_string(stats_.allocated_bytes) +
+                    " allocated, " + std::to_string(stats_.pinned_bytes) + " pinned, " +
+                    std::to_string(unowned) + " not releasable (no owner), largest free block " +
+                    std::to_string(largest) + " bytes; " + why + ".";
+  throw OutOfBudget(msg, nbytes, budget_, stats_.allocated_bytes, stats_.pinned_bytes, largest);
+}
+
+Window Arena::search_locked(size_t rounded) {
+  const auto t0 = std::chrono::steady_clock::now();
+  Window w = search_window(*main_, rounded, mode_.load());
+  stats_.search_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                          std::chrono::steady_clock::now() - t0).count();
+  stats_.num_searches++;
+  return w;
+}
+
+Window Arena::find_window(size_t nbytes) {
+  if (nbytes == 0) throw InvalidArgument("window size must be at least 1 byte, got 0");
+  std::lock_guard<std::mutex> lock(mutex_);
+  return search_locked(align_up(nbytes));
+}
+
+Block* Arena::find_allocated_locked(uintptr_t addr, const char* what) const {
+  auto it = allocated_.find(addr);
+  if (it != allocated_.end()) return it->second;
+  if (contains(addr))
+    throw InvalidArgument(std::string(what) + ": " + hex(addr) +
+                          " is inside this arena but is not the start of an allocated block "
+                          "(already freed, or a pointer into the middle of a block)");
+  throw InvalidArgument(std::string(what) + ": " + hex(addr) + " was not allocated by this arena (range " +
+                        hex(base()) + ".." + hex(base() + budget_) + ")");
+}
+
+void Arena::release_block_locked(Block* b) {
+  stats_.num_frees++;
+  if (handlers_running_.load(std::memory_order_relaxed) > 0) stats_.num_released_blocks++;
+  stats_.allocated_bytes -= b->size;
+  stats_.requested_bytes -= b->requested;
+  stats_.num_allocated_blocks--;
+  if (b->pinned) stats_.pinned_bytes -= b->size;
+  allocated_.erase(b->addr);
+  (b->region == RegionKind::Main ? *main_ : *small_).free(b);
+}
+
+void Arena::free(uintptr_t addr) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  release_block_locked(find_allocated_locked(addr, "free"));
+}
+
+bool Arena::try_free(uintptr_t addr) noexcept {
+  std::lock_guard<std::mutex> lock(mutex_);
+  auto it = allocated_.find(addr);
+  if (it == allocated_.end()) return false;
+  release_block_locked(it->second);
+  return true;
+}
+
+void Arena::set_owner(uintptr_t addr, uint64_t owner, double cost) {
+  check_cost(cost);
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* b = find_allocated_locked(addr, "set_owner");
+  b->owner = owner;
+  b->cost = cost;
+}
+
+void Arena::set_cost(uintptr_t addr, double cost) {
+  check_cost(cost);
+  std::lock_guard<std::mutex> lock(mutex_);
+  find_allocated_locked(addr, "set_cost")->cost = cost;
+}
+
+void Arena::set_pinned(uintptr_t addr, bool pinned) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  Block* b = find_allocated_locked(addr, "set_pinned");
+  if (b->pinned == pinned) return;
+  b->pinned = pinned;
+  if (pinned) stats_.pinned_bytes += b->size;
+  else stats_.pinned_bytes -= b->size;
+}
+
+size_t Arena::block_size(uintptr_t addr) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return find_allocated_locked(addr, "block_size")->size;
+}
+
+void Arena::set_pressure_handler(PressureHandler handler) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  handler_ = std::move(handler);
+}
+
+ArenaStats Arena::stats() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  ArenaStats s = stats_;
+  s.num_blocks = main_->num_blocks() + (small_ ? small_->num_blocks() : 0);
+  s.free_bytes = main_->free_bytes() + (small_ ? small_->free_bytes() : 0);
+  s.largest_free_block = std::max(main_->largest_free(), small_ ? small_->largest_free() : 0);
+  return s;
+}
+
+void Arena::reset_peak() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  stats_.peak_allocated_bytes = stats_.allocated_bytes;
+}
+
+std::vector<Block> Arena::blocks() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  std::vector<Block> out;
+  for (const Region* r : {main_.get(), small_.get()}) {
+    if (!r) continue;
+    for (const Block* b = r->first(); b; b = b->next) out.push_back(*b);
+  }
+  return out;
+}
+
+}  // namespace pymem

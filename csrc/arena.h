@@ -1,0 +1,104 @@
+// arena.h — one range of exactly `budget` bytes, cut into address-ordered blocks.
+//
+// Layout: [ main region ........................ | small region ]
+//   main  — best-fit by (size, address), split on allocate (placement.cpp decides which end),
+//           coalesce on free; the only region the window search (window.cpp) scans.
+//   small — requests <= small_threshold; never scanned by eviction. When it is full, small
+//           requests fall back to the main region.
+//
+// Pressure protocol: a request that finds no fit runs the window search under the lock, drops the
+// lock, and calls the pressure handler with the request and the window. The handler releases
+// blocks (freeing into this arena from inside it is safe) and the arena retries. If the handler
+// frees nothing, or there is no window, allocation throws OutOfBudget. The budget is never exceeded:
+// the arena cannot grow.
+//
+// Thread safety: one mutex per arena guards all block state. It is never held while the handler
+// runs, so a handler may take other locks (the GIL) without deadlock.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
+
+#include "backing.h"
+#include "region.h"
+#include "types.h"
+
+namespace pymem {
+
+using PressureHandler = std::function<void(size_t request, const Window& window)>;
+
+struct ArenaConfig {
+  size_t budget = 0;
+  size_t small_threshold = kDefaultSmallThreshold;  // 0 disables the small region
+  size_t small_region = SIZE_MAX;                   // SIZE_MAX: budget / 64, at most 64 MiB
+  SearchMode mode = SearchMode::Window;
+};
+
+class Arena {
+ public:
+  // Throws InvalidArgument if the budget is below kAlignment or not what the backing holds.
+  Arena(std::unique_ptr<Backing> backing, const ArenaConfig& config);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // Returns the address of a block of at least `nbytes` (rounded up to kAlignment).
+  // Throws InvalidArgument for nbytes == 0, OutOfBudget when it cannot be met.
+  uintptr_t allocate(size_t nbytes, CostClass cls = CostClass::Costly, uint64_t owner = 0,
+                     double cost = 0.0, bool pinned = false);
+  // Throws InvalidArgument if `addr` is not the start of an allocated block of this arena.
+  void free(uintptr_t addr);
+  // Like free, but returns false instead of throwing (for deleters, which must not throw).
+  bool try_free(uintptr_t addr) noexcept;
+
+  void set_owner(uintptr_t addr, uint64_t owner, double cost);
+  void set_cost(uintptr_t addr, double cost);
+  void set_pinned(uintptr_t addr, bool pinned);
+  // Size of the allocated block at addr (rounded). Throws InvalidArgument if none.
+  size_t block_size(uintptr_t addr) const;
+
+  // The window the pressure protocol would choose for `nbytes` now (does not release anything).
+  Window find_window(size_t nbytes);
+  void set_pressure_handler(PressureHandler handler);
+  SearchMode mode() const { return mode_.load(); }
+  void set_mode(SearchMode mode) { mode_.store(mode); }
+
+  ArenaStats stats() const;
+  void reset_peak();
+  std::vector<Block> blocks() const;  // copies, address order (main region, then small)
+
+  uintptr_t base() const { return backing_->base(); }
+  size_t budget() const { return budget_; }
+  size_t small_threshold() const { return small_threshold_; }
+  size_t small_region_size() const { return small_ ? small_->size() : 0; }
+  const char* backing_kind() const { return backing_->kind(); }
+  bool contains(uintptr_t addr) const { return addr >= base() && addr < base() + budget_; }
+
+ private:
+  Block* try_allocate_locked(size_t rounded, CostClass cls);
+  Block* find_allocated_locked(uintptr_t addr, const char* what) const;
+  Window search_locked(size_t rounded);
+  [[noreturn]] void throw_out_of_budget_locked(size_t nbytes, const char* why);
+  void release_block_locked(Block* b);
+
+  std::unique_ptr<Backing> backing_;
+  size_t budget_;
+  size_t small_threshold_;
+  std::unique_ptr<Region> main_, small_;
+  std::unordered_map<uintptr_t, Block*> allocated_;  // start address -> allocated block
+  mutable std::mutex mutex_;
+  PressureHandler handler_;
+  std::atomic<SearchMode> mode_;
+  std::atomic<int> handlers_running_{0};  // frees while > 0 count as released blocks
+  ArenaStats stats_;
+};
+
+}  // namespace pymem
+
+namespace pymem {
+// Builds an arena over a new backing ("host", "virtual"); validates the budget before mapping.
+std::unique_ptr<Arena> make_arena(const std::string& backing, const ArenaConfig& config);
+}  // namespace pymem

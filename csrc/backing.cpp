@@ -1,0 +1,72 @@
+// backing.cpp — host, virtual and CUDA slabs.
+#include "backing.h"
+
+#include <sys/mman.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "cuda_table.h"
+
+namespace pymem {
+
+namespace {
+
+class HostBacking final : public Backing {
+ public:
+  explicit HostBacking(size_t bytes) {
+    // MAP_NORESERVE: a 20 GB budget costs nothing until tensors touch their pages.
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+    if (p == MAP_FAILED)
+      throw std::runtime_error("pymem: cannot map a host slab of " + std::to_string(bytes) + " bytes");
+    base_ = reinterpret_cast<uintptr_t>(p);
+    size_ = bytes;
+  }
+  ~HostBacking() override { munmap(reinterpret_cast<void*>(base_), size_); }
+  const char* kind() const override { return "host"; }
+};
+
+class VirtualBacking final : public Backing {
+ public:
+  explicit VirtualBacking(size_t bytes) {
+    base_ = kVirtualBase;
+    size_ = bytes;
+  }
+  const char* kind() const override { return "virtual"; }
+};
+
+class CudaBacking final : public Backing {
+ public:
+  CudaBacking(size_t bytes, int device, const pymem_cuda_table* table) : table_(table) {
+    int prev = 0;
+    table_->get_device(&prev);
+    if (prev != device) table_->set_device(device);
+    void* p = nullptr;
+    int err = table_->malloc(&p, bytes);
+    if (prev != device) table_->set_device(prev);
+    if (err != 0 || !p)
+      throw std::runtime_error("pymem: cudaMalloc of the " + std::to_string(bytes) +
+                               "-byte arena slab on device " + std::to_string(device) +
+                               " failed with CUDA error " + std::to_string(err));
+    base_ = reinterpret_cast<uintptr_t>(p);
+    size_ = bytes;
+  }
+  ~CudaBacking() override { table_->free(reinterpret_cast<void*>(base_)); }
+  const char* kind() const override { return "cuda"; }
+
+ private:
+  const pymem_cuda_table* table_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backing> make_host_backing(size_t bytes) { return std::make_unique<HostBacking>(bytes); }
+std::unique_ptr<Backing> make_virtual_backing(size_t bytes) {
+  return std::make_unique<VirtualBacking>(bytes);
+}
+std::unique_ptr<Backing> make_cuda_backing(size_t bytes, int device, const pymem_cuda_table* table) {
+  return std::make_unique<CudaBacking>(bytes, device, table);
+}
+
+}  // namespace pymem

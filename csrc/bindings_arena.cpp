@@ -1,0 +1,244 @@
+// bindings_arena.cpp — pymem._C.Arena and friends. pybind11 only, no torch: the same file builds
+// the torch-free ASan module the property tests run against.
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "arena.h"
+#include "bench.h"
+#include "py_errors.h"
+
+namespace py = pybind11;
+
+namespace pymem {
+
+namespace {
+
+py::object g_out_of_budget;  // set once by pymem/__init__.py; lives for the process
+
+SearchMode parse_mode(const std::string& s) {
+  if (s == "window") return SearchMode::Window;
+  if (s == "one_at_a_time") return SearchMode::OneAtATime;
+  throw InvalidArgument("search must be 'window' or 'one_at_a_time', got '" + s + "'");
+}
+
+const char* mode_name(SearchMode m) { return m == SearchMode::Window ? "window" : "one_at_a_time"; }
+
+CostClass parse_cost_class(const std::string& s) {
+  if (s == "costly") return CostClass::Costly;
+  if (s == "cheap") return CostClass::Cheap;
+  throw InvalidArgument("cost_class must be 'costly' or 'cheap', got '" + s + "'");
+}
+
+size_t check_size(long long n, const char* what) {
+  if (n <= 0)
+    throw InvalidArgument(std::string(what) + " must be a positive number of bytes, got " +
+                          std::to_string(n));
+  return static_cast<size_t>(n);
+}
+
+// A Python callable shared by copies of a std::function. Copies touch only the shared_ptr's atomic
+// count, so the arena may copy its handler under its own lock without holding the GIL.
+struct PyCallable {
+  py::object fn;
+  ~PyCallable() {
+    py::gil_scoped_acquire gil;
+    fn = py::object();
+  }
+};
+
+py::dict stats_dict(const ArenaStats& s) {
+  py::dict d;
+  d["budget_bytes"] = s.budget;
+  d["allocated_bytes.current"] = s.allocated_bytes;
+  d["allocated_bytes.peak"] = s.peak_allocated_bytes;
+  d["requested_bytes.current"] = s.requested_bytes;
+  d["pinned_bytes.current"] = s.pinned_bytes;
+  d["free_bytes"] = s.free_bytes;
+  d["largest_free_block"] = s.largest_free_block;
+  d["num_blocks"] = s.num_blocks;
+  d["num_allocated_blocks"] = s.num_allocated_blocks;
+  d["num_allocs"] = s.num_allocs;
+  d["num_frees"] = s.num_frees;
+  d["num_pressure_events"] = s.num_pressure_events;
+  d["num_released_blocks"] = s.num_released_blocks;
+  d["num_searches"] = s.num_searches;
+  d["num_ooms"] = s.num_ooms;
+  d["search_seconds"] = double(s.search_ns) * 1e-9;
+  // Fragmentation three ways: now (1 - largest free / total free), GMLake's (1 - peak / budget),
+  // and Coop's (free bytes / budget at each pressure event, averaged).
+  d["fragmentation.largest_free"] =
+      s.free_bytes ? 1.0 - double(s.largest_free_block) / double(s.free_bytes) : 0.0;
+  d["fragmentation.peak"] = 1.0 - double(s.peak_allocated_bytes) / double(s.budget);
+  d["fragmentation.pressure"] =
+      s.num_pressure_events ? s.pressure_free_ratio_sum / double(s.num_pressure_events) : 0.0;
+  return d;
+}
+
+}  // namespace
+
+py::handle out_of_budget_class() {
+  return g_out_of_budget ? g_out_of_budget : py::handle(PyExc_MemoryError);
+}
+
+void set_out_of_budget_class(py::object cls) {
+  if (!PyType_Check(cls.ptr()) || !PyObject_IsSubclass(cls.ptr(), PyExc_BaseException))
+    throw py::type_error("the out-of-budget error must be an exception class");
+  g_out_of_budget = std::move(cls);
+}
+
+void set_python_out_of_budget(const OutOfBudget& e) {
+  py::object cls = py::reinterpret_borrow<py::object>(out_of_budget_class());
+  py::object err = cls(e.what());
+  err.attr("requested") = e.requested;
+  err.attr("budget") = e.budget;
+  err.attr("allocated") = e.allocated;
+  err.attr("pinned_bytes") = e.pinned;
+  err.attr("largest_free_block") = e.largest_free;
+  PyErr_SetObject(cls.ptr(), err.ptr());
+}
+
+void register_error_translators() {
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const OutOfBudget& e) {
+      set_python_out_of_budget(e);
+    } catch (const InvalidArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+}
+
+void bind_arena(py::module_& m) {
+  register_error_translators();
+  m.def("_set_out_of_budget_error", &set_out_of_budget_class, "Register the class raised when a request cannot be met.");
+  m.attr("ALIGNMENT") = kAlignment;
+  m.attr("DEFAULT_SMALL_THRESHOLD") = kDefaultSmallThreshold;
+
+  py::class_<Victim>(m, "Victim", "A block the pressure handler is asked to release.")
+      .def_readonly("owner", &Victim::owner)
+      .def_readonly("addr", &Victim::addr)
+      .def_readonly("size", &Victim::size)
+      .def_readonly("cost", &Victim::cost)
+      .def("__repr__", [](const Victim& v) {
+        return "Victim(owner=" + std::to_string(v.owner) + ", addr=" + std::to_string(v.addr) +
+               ", size=" + std::to_string(v.size) + ", cost=" + std::to_string(v.cost) + ")";
+      });
+
+  py::class_<Window>(m, "Window", "Address-contiguous releasable blocks covering a request, of least cost.")
+      .def_readonly("addr", &Window::addr)
+      .def_readonly("bytes", &Window::bytes)
+      .def_readonly("cost", &Window::cost)
+      .def_readonly("victims", &Window::victims)
+      .def_property_readonly("owners", [](const Window& w) {
+        std::vector<uint64_t> o;
+        for (const Victim& v : w.victims) o.push_back(v.owner);
+        return o;
+      })
+      .def("__repr__", [](const Window& w) {
+        return "Window(addr=" + std::to_string(w.addr) + ", bytes=" + std::to_string(w.bytes) +
+               ", cost=" + std::to_string(w.cost) + ", victims=" + std::to_string(w.victims.size()) + ")";
+      });
+
+  py::class_<Block>(m, "Block", "A copy of one arena block (see Arena.blocks).")
+      .def_readonly("addr", &Block::addr)
+      .def_readonly("size", &Block::size)
+      .def_readonly("allocated", &Block::allocated)
+      .def_readonly("owner", &Block::owner)
+      .def_readonly("cost", &Block::cost)
+      .def_readonly("pinned", &Block::pinned)
+      .def_readonly("requested", &Block::requested)
+      .def_property_readonly("region", [](const Block& b) {
+        return b.region == RegionKind::Main ? "main" : "small";
+      });
+
+  py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena", R"doc(
+One range of exactly `budget` bytes, cut into 512-byte-aligned blocks in address order.
+
+Arena(budget, backing="host", small_threshold=16384, small_region=None, search="window")
+  backing: "host" (an mmap'd slab, pages committed on touch) or "virtual" (addresses only, no
+  memory: for simulation and tests). Requests <= small_threshold bytes go to a small region at the
+  top of the range (small_region bytes; default budget/64, at most 64 MiB) that eviction never scans.
+  search: "window" (Coop's cheapest contiguous window) or "one_at_a_time" (cheapest single block).
+)doc")
+      .def(py::init([](long long budget, const std::string& backing, long long small_threshold,
+                       py::object small_region, const std::string& search) {
+             if (budget <= 0)
+               throw InvalidArgument("budget must be a positive number of bytes, got " + std::to_string(budget));
+             if (small_threshold < 0)
+               throw InvalidArgument("small_threshold must be >= 0, got " + std::to_string(small_threshold));
+             ArenaConfig c;
+             c.budget = size_t(budget);
+             c.small_threshold = size_t(small_threshold);
+             if (!small_region.is_none()) {
+               long long sr = small_region.cast<long long>();
+               if (sr < 0) throw InvalidArgument("small_region must be >= 0, got " + std::to_string(sr));
+               c.small_region = size_t(sr);
+             }
+             c.mode = parse_mode(search);
+             return std::shared_ptr<Arena>(make_arena(backing, c));
+           }),
+           py::arg("budget"), py::arg("backing") = "host", py::arg("small_threshold") = kDefaultSmallThreshold,
+           py::arg("small_region") = py::none(), py::arg("search") = "window")
+      .def("allocate",
+           [](Arena& a, long long nbytes, const std::string& cost_class, uint64_t owner, double cost,
+              bool pinned) {
+             size_t n = check_size(nbytes, "allocation size");
+             CostClass cls = parse_cost_class(cost_class);
+             py::gil_scoped_release nogil;
+             return a.allocate(n, cls, owner, cost, pinned);
+           },
+           py::arg("nbytes"), py::arg("cost_class") = "costly", py::arg("owner") = 0, py::arg("cost") = 0.0,
+           py::arg("pinned") = false,
+           "Allocate nbytes (rounded up to 512); returns the address. Under pressure the handler is "
+           "called; raises OutOfBudgetError when nothing more can be released.")
+      .def("free", [](Arena& a, uintptr_t addr) { a.free(addr); }, py::arg("addr"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("set_owner", &Arena::set_owner, py::arg("addr"), py::arg("owner"), py::arg("cost") = 0.0,
+           "Give an allocated block an owner id (0 = not releasable) and a release cost.")
+      .def("set_cost", &Arena::set_cost, py::arg("addr"), py::arg("cost"))
+      .def("set_pinned", &Arena::set_pinned, py::arg("addr"), py::arg("pinned"),
+           "Pinned blocks are never put in a window (e.g. inputs of the running op).")
+      .def("block_size", &Arena::block_size, py::arg("addr"))
+      .def("find_window",
+           [](Arena& a, long long nbytes) -> py::object {
+             Window w = a.find_window(check_size(nbytes, "window size"));
+             return w.found ? py::cast(std::move(w)) : py::none();
+           },
+           py::arg("nbytes"), "The window the pressure protocol would release for nbytes now, or None.")
+      .def("set_pressure_handler",
+           [](Arena& a, py::object fn) {
+             if (fn.is_none()) return a.set_pressure_handler(nullptr);
+             if (!PyCallable_Check(fn.ptr()))
+               throw py::type_error("pressure handler must be callable(request_bytes, window) or None");
+             auto holder = std::make_shared<PyCallable>();
+             holder->fn = std::move(fn);
+             a.set_pressure_handler([holder](size_t request, const Window& w) {
+               py::gil_scoped_acquire gil;
+               holder->fn(request, py::cast(Window(w)));  // a copy: the handler may keep it
+             });
+           },
+           py::arg("handler"),
+           "handler(request_bytes, window) is called (GIL held, arena lock free) when a request finds "
+           "no fit; it should release blocks (free them), after which the arena retries.")
+      .def_property("search", [](const Arena& a) { return mode_name(a.mode()); },
+                    [](Arena& a, const std::string& s) { a.set_mode(parse_mode(s)); })
+      .def("stats", [](const Arena& a) { return stats_dict(a.stats()); })
+      .def("reset_peak_memory_stats", &Arena::reset_peak)
+      .def("blocks", &Arena::blocks, "Copies of every block, in address order.")
+      .def_property_readonly("base", &Arena::base)
+      .def_property_readonly("budget", &Arena::budget)
+      .def_property_readonly("small_threshold", &Arena::small_threshold)
+      .def_property_readonly("small_region_size", &Arena::small_region_size)
+      .def_property_readonly("backing", &Arena::backing_kind);
+
+  m.def("_bench_arena_pairs", &bench_arena_pairs, py::arg("live_blocks"), py::arg("pairs"), py::arg("seed") = 0,
+        py::call_guard<py::gil_scoped_release>(), "ns per allocate+free pair with live_blocks live.");
+  m.def("_bench_malloc_pairs", &bench_malloc_pairs, py::arg("live_blocks"), py::arg("pairs"), py::arg("seed") = 0,
+        py::call_guard<py::gil_scoped_release>(), "The same pattern against glibc malloc/free.");
+  m.def("_bench_window_search", &bench_window_search, py::arg("blocks"), py::arg("searches"), py::arg("seed") = 0,
+        py::call_guard<py::gil_scoped_release>(), "us per window search over `blocks` blocks.");
+}
+
+}  // namespace pymem

@@ -1,0 +1,35 @@
+/* cuda_table.h — the CUDA runtime entry points pymem uses, reached through a table filled at run
+ * time (dlopen of libcudart), never linked. Tests fill it with fakes and run the CUDA library's
+ * logic on a machine without a GPU. Plain C: it is also the ABI of libpymem_cuda.so.
+ *
+ * Every function returns a cudaError_t as int: 0 is success; kCudaErrorNotReady (600) from
+ * event_query means "recorded work not finished yet". Streams and events are opaque pointers. */
+#ifndef PYMEM_CUDA_TABLE_H
+#define PYMEM_CUDA_TABLE_H
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define PYMEM_CUDA_ERROR_NOT_READY 600
+
+typedef struct pymem_cuda_table {
+  int (*malloc)(void** ptr, size_t bytes);                 /* cudaMalloc */
+  int (*free)(void* ptr);                                  /* cudaFree */
+  int (*get_device)(int* device);                          /* cudaGetDevice */
+  int (*set_device)(int device);                           /* cudaSetDevice */
+  int (*event_create)(void** event, unsigned flags);       /* cudaEventCreateWithFlags */
+  int (*event_destroy)(void* event);                       /* cudaEventDestroy */
+  int (*event_record)(void* event, void* stream);          /* cudaEventRecord */
+  int (*event_query)(void* event);                         /* cudaEventQuery */
+  int (*event_synchronize)(void* event);                   /* cudaEventSynchronize */
+  int (*stream_wait_event)(void* stream, void* event, unsigned flags); /* cudaStreamWaitEvent */
+} pymem_cuda_table;
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* PYMEM_CUDA_TABLE_H */

@@ -1,0 +1,126 @@
+// hook_cpu.cpp — a c10::Allocator over an Arena.
+//
+// DataPtr context == data pointer (so c10's raw_allocate/raw_deallocate work); the deleter finds
+// the owning arena by address. Every arena ever installed is kept alive for the life of the
+// process in `g_arenas`: a tensor made under it may die at any time, from any thread, and its
+// deleter must find a live arena. Lookups are lock-free over a fixed array of slots.
+#include "hook_cpu.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <array>
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <vector>
+
+#include "py_errors.h"
+
+namespace pymem {
+
+namespace {
+
+constexpr size_t kMaxArenas = 64;
+// Higher than anything PyTorch registers itself, so the hook wins; uninstall re-registers the
+// previous allocator at the same priority.
+constexpr uint8_t kHookPriority = 200;
+
+std::array<std::atomic<Arena*>, kMaxArenas> g_slots{};
+std::atomic<size_t> g_num_slots{0};
+std::atomic<Arena*> g_active{nullptr};
+std::atomic<uint64_t> g_bad_frees{0};
+std::mutex g_install_mutex;                 // guards the three below
+std::vector<std::shared_ptr<Arena>> g_arenas;  // keeps every installed arena alive
+std::shared_ptr<Arena> g_active_owner;
+c10::Allocator* g_previous = nullptr;
+
+void delete_fn(void* ptr) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(ptr);
+  const size_t n = g_num_slots.load(std::memory_order_acquire);
+  for (size_t i = 0; i < n; ++i) {
+    Arena* arena = g_slots[i].load(std::memory_order_acquire);
+    if (arena->contains(a)) {
+      if (!arena->try_free(a)) break;
+      return;
+    }
+  }
+  g_bad_frees.fetch_add(1);
+  std::fprintf(stderr, "pymem: CPU hook asked to free %p, which no arena has allocated; ignored\n", ptr);
+}
+
+[[noreturn]] void raise_out_of_budget(const OutOfBudget& e) {
+  if (Py_IsInitialized()) {
+    pybind11::gil_scoped_acquire gil;
+    set_python_out_of_budget(e);
+    throw pybind11::error_already_set();  // PyTorch's op wrappers restore it as-is
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+}
+
+class ArenaCPUAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    const c10::Device cpu(c10::DeviceType::CPU);
+    if (nbytes == 0) return {nullptr, nullptr, &delete_fn, cpu};
+    Arena* arena = g_active.load(std::memory_order_acquire);
+    TORCH_CHECK(arena, "pymem: the CPU hook is installed without an arena");
+    uintptr_t a;
+    try {
+      a = arena->allocate(nbytes);
+    } catch (const OutOfBudget& e) {
+      raise_out_of_budget(e);
+    }
+    void* p = reinterpret_cast<void*>(a);
+    return {p, p, &delete_fn, cpu};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &delete_fn; }
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+ArenaCPUAllocator g_allocator;
+
+}  // namespace
+
+void install_cpu_hook(std::shared_ptr<Arena> arena) {
+  if (!arena) throw InvalidArgument("install_cpu_hook needs an arena");
+  if (std::string(arena->backing_kind()) != "host")
+    throw InvalidArgument(std::string("the CPU hook needs a 'host' arena (tensors must be able to touch "
+                                      "their bytes), got a '") + arena->backing_kind() + "' arena");
+  std::lock_guard<std::mutex> lock(g_install_mutex);
+  bool known = false;
+  for (const auto& a : g_arenas) known |= (a == arena);
+  if (!known) {
+    const size_t n = g_num_slots.load();
+    if (n == kMaxArenas)
+      throw InvalidArgument("pymem: at most " + std::to_string(kMaxArenas) +
+                            " distinct arenas can be installed as the CPU allocator in one process");
+    g_arenas.push_back(arena);
+    g_slots[n].store(arena.get(), std::memory_order_release);
+    g_num_slots.store(n + 1, std::memory_order_release);
+  }
+  g_active.store(arena.get(), std::memory_order_release);
+  g_active_owner = std::move(arena);
+  if (c10::GetCPUAllocator() != &g_allocator) {
+    g_previous = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(&g_allocator, kHookPriority);
+  }
+}
+
+void uninstall_cpu_hook() {
+  std::lock_guard<std::mutex> lock(g_install_mutex);
+  if (c10::GetCPUAllocator() == &g_allocator && g_previous) c10::SetCPUAllocator(g_previous, kHookPriority);
+  g_active.store(nullptr, std::memory_order_release);
+  g_active_owner.reset();
+}
+
+std::shared_ptr<Arena> cpu_hook_arena() {
+  std::lock_guard<std::mutex> lock(g_install_mutex);
+  return g_active_owner;
+}
+
+uint64_t cpu_hook_bad_frees() { return g_bad_frees.load(); }
+
+}  // namespace pymem

@@ -1,0 +1,77 @@
+// region.cpp — block list, best-fit index, coalescing. Placement lives in placement.cpp.
+#include "region.h"
+
+namespace pymem {
+
+namespace {
+constexpr size_t kBlocksPerChunk = 1024;
+}
+
+Region::Region(uintptr_t base, size_t size, RegionKind kind) : base_(base), size_(size), kind_(kind) {
+  first_ = new_block();
+  first_->addr = base;
+  first_->size = size;
+  first_->region = kind;
+  free_.insert(first_);
+  free_bytes_ = size;
+}
+
+Region::~Region() {
+  for (Block* c : chunks_) delete[] c;
+}
+
+Block* Region::new_block() {
+  if (!spare_) {
+    Block* chunk = new Block[kBlocksPerChunk];
+    chunks_.push_back(chunk);
+    for (size_t i = 0; i < kBlocksPerChunk; ++i) {
+      chunk[i].next = spare_;
+      spare_ = &chunk[i];
+    }
+  }
+  Block* b = spare_;
+  spare_ = b->next;
+  *b = Block{};
+  b->region = kind_;
+  ++num_blocks_;
+  return b;
+}
+
+void Region::delete_block(Block* b) {
+  b->next = spare_;
+  spare_ = b;
+  --num_blocks_;
+}
+
+Block* Region::allocate(size_t rounded, CostClass cls) {
+  auto it = free_.lower_bound(rounded);  // smallest free block >= rounded, lowest address first
+  if (it == free_.end()) return nullptr;
+  return place(*it, rounded, cls);
+}
+
+void Region::free(Block* b) {
+  b->allocated = false;
+  b->pinned = false;
+  b->owner = 0;
+  b->cost = 0.0;
+  b->requested = 0;
+  free_bytes_ += b->size;
+  if (Block* p = b->prev; p && !p->allocated) {  // absorb b into its free predecessor
+    free_.erase(p);
+    p->size += b->size;
+    p->next = b->next;
+    if (b->next) b->next->prev = p;
+    delete_block(b);
+    b = p;
+  }
+  if (Block* n = b->next; n && !n->allocated) {  // absorb the free successor into b
+    free_.erase(n);
+    b->size += n->size;
+    b->next = n->next;
+    if (n->next) n->next->prev = b;
+    delete_block(n);
+  }
+  free_.insert(b);
+}
+
+}  // namespace pymem

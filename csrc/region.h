@@ -1,0 +1,68 @@
+// region.h — a contiguous address range tiled by blocks in address order (a doubly linked list),
+// with free blocks indexed best-fit by (size, address).
+//
+// Invariants (checked by tests against a Python model):
+//   * blocks tile [base, base + size) exactly, in address order, with no gaps or overlaps;
+//   * every addr and size is a multiple of kAlignment;
+//   * no two neighbours are both free;
+//   * free_ holds exactly the free blocks.
+// Not thread-safe: the owning Arena's mutex guards it.
+#pragma once
+
+#include <set>
+#include <vector>
+
+#include "types.h"
+
+namespace pymem {
+
+class Region {
+ public:
+  Region(uintptr_t base, size_t size, RegionKind kind);
+  ~Region();
+  Region(const Region&) = delete;
+  Region& operator=(const Region&) = delete;
+
+  // Best-fit a free block of at least `rounded` bytes and carve the block out of it at the end the
+  // cost class asks for (placement.cpp). Returns null when no free block is large enough.
+  Block* allocate(size_t rounded, CostClass cls);
+  // Return an allocated block; coalesces with free neighbours.
+  void free(Block* b);
+
+  Block* first() const { return first_; }
+  uintptr_t base() const { return base_; }
+  size_t size() const { return size_; }
+  RegionKind kind() const { return kind_; }
+  size_t free_bytes() const { return free_bytes_; }
+  size_t num_blocks() const { return num_blocks_; }
+  size_t largest_free() const { return free_.empty() ? 0 : (*free_.rbegin())->size; }
+  bool contains(uintptr_t addr) const { return addr >= base_ && addr < base_ + size_; }
+
+ private:
+  struct BySizeAddr {
+    using is_transparent = void;
+    bool operator()(const Block* a, const Block* b) const {
+      return a->size != b->size ? a->size < b->size : a->addr < b->addr;
+    }
+    bool operator()(const Block* a, size_t n) const { return a->size < n; }
+    bool operator()(size_t n, const Block* b) const { return n < b->size; }
+  };
+
+  Block* place(Block* free_block, size_t rounded, CostClass cls);  // placement.cpp
+  Block* new_block();
+  void delete_block(Block* b);
+
+  uintptr_t base_;
+  size_t size_;
+  RegionKind kind_;
+  Block* first_ = nullptr;
+  std::set<Block*, BySizeAddr> free_;
+  size_t free_bytes_ = 0;
+  size_t num_blocks_ = 0;
+  // Block storage: chunks of Blocks plus a free list, so splitting never calls malloc on the fast
+  // path and blocks of a region sit close together for the window walk.
+  std::vector<Block*> chunks_;
+  Block* spare_ = nullptr;  // singly linked through Block::next
+};
+
+}  // namespace pymem

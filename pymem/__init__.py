@@ -1,0 +1,34 @@
+"""pymem: a runtime tensor memory manager for PyTorch.
+
+This layer exposes the arena (``pymem.Arena``), the CPU allocator hook, and the CUDA library's
+location. The runtime (eviction and rematerialization) builds on it.
+"""
+from . import _C
+from ._C import Arena, Block, Victim, Window
+from .errors import OutOfBudgetError
+
+__version__ = "0.1.0"
+
+_C._set_out_of_budget_error(OutOfBudgetError)
+
+
+def install_cpu_hook(arena: Arena) -> None:
+    """Make ``arena`` (a ``backing="host"`` Arena) PyTorch's CPU allocator.
+
+    Tensors allocated before keep their own deleters and stay valid.
+    """
+    _C.install_cpu_hook(arena)
+
+
+def uninstall_cpu_hook() -> None:
+    """Give PyTorch back its own CPU allocator; tensors made under the hook stay valid."""
+    _C.uninstall_cpu_hook()
+
+
+def cpu_hook_arena():
+    """The arena installed as the CPU allocator, or None."""
+    return _C.cpu_hook_arena()
+
+
+__all__ = ["Arena", "Block", "Victim", "Window", "OutOfBudgetError", "install_cpu_hook",
+           "uninstall_cpu_hook", "cpu_hook_arena", "__version__"]

@@ -1,0 +1,80 @@
+"""Build torch-pymem: the pymem._C extension (always) and libpymem_cuda.so (when a CUDA toolkit is found).
+
+Install with the torch you already have:  pip install --no-build-isolation -e .
+(Build isolation would fetch a second, multi-GB torch into a throwaway environment.)
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+try:
+    import torch  # noqa: F401
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+except ImportError:
+    sys.exit(
+        "torch-pymem builds against the torch already installed, and none was found.\n"
+        "Install torch first (e.g. `pip install torch`), then `pip install --no-build-isolation .`"
+    )
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CORE = ["arena.cpp", "region.cpp", "placement.cpp", "window.cpp", "backing.cpp"]
+EXT_SOURCES = CORE + ["bench.cpp", "bindings_arena.cpp", "hook_cpu.cpp", "bindings.cpp"]
+CUDA_LIB_SOURCES = CORE + ["cuda_table.cpp", "cuda_lib.cpp"]
+CXXFLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+
+
+def find_cuda_home():
+    """The CUDA toolkit to compile libpymem_cuda.so against, or None."""
+    candidates = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates.append("/usr/local/cuda")
+    for c in candidates:
+        if c and os.path.isfile(os.path.join(c, "include", "cuda_runtime_api.h")):
+            return c
+    return None
+
+
+class BuildWithCudaLib(BuildExtension):
+    """Builds pymem._C, then the plain C-ABI CUDA library (no libtorch, no link-time cudart)."""
+
+    def run(self):
+        super().run()
+        cuda_home = None if os.environ.get("PYMEM_BUILD_CUDA") == "0" else find_cuda_home()
+        if cuda_home is None:
+            print("pymem: no CUDA toolkit found; building without libpymem_cuda.so (CPU only)")
+            return
+        out_dir = os.path.join(HERE, "pymem") if self.inplace else os.path.join(self.build_lib, "pymem")
+        os.makedirs(out_dir, exist_ok=True)
+        out = os.path.join(out_dir, "libpymem_cuda.so")
+        cxx = os.environ.get("CXX", "c++")
+        cmd = [cxx, *CXXFLAGS, "-fPIC", "-shared", "-DPYMEM_HAVE_CUDA_HEADERS",
+               "-I" + os.path.join(cuda_home, "include"),
+               *[os.path.join(HERE, "csrc", s) for s in CUDA_LIB_SOURCES], "-ldl", "-pthread", "-o", out]
+        print("pymem: building libpymem_cuda.so against", cuda_home)
+        subprocess.check_call(cmd)
+
+
+setup(
+    name="torch-pymem",
+    version="0.1.0",
+    description="Runtime tensor memory manager for PyTorch: a hard memory budget through eviction, "
+                "offloading and fragmentation-aware placement.",
+    packages=find_packages(include=["pymem", "pymem.*"]),
+    package_data={"pymem": ["libpymem_cuda.so"]},
+    ext_modules=[
+        CppExtension(
+            "pymem._C",
+            [os.path.join("csrc", s) for s in EXT_SOURCES],
+            extra_compile_args=CXXFLAGS,
+        )
+    ],
+    cmdclass={"build_ext": BuildWithCudaLib},
+    python_requires=">=3.9",
+    install_requires=["torch", "numpy"],
+    zip_safe=False,
+)
