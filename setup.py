@@ -20,7 +20,7 @@ except ImportError:
     )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CORE = ["arena.cpp", "region.cpp", "placement.cpp", "window.cpp", "backing.cpp"]
+CORE = ["arena.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "window.cpp", "backing.cpp"]
 EXT_SOURCES = CORE + ["bench.cpp", "bindings_arena.cpp", "hook_cpu.cpp", "bindings.cpp"]
 CUDA_LIB_SOURCES = CORE + ["cuda_table.cpp", "cuda_lib.cpp"]
 CXXFLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
@@ -44,7 +44,10 @@ class BuildWithCudaLib(BuildExtension):
 
     def run(self):
         super().run()
-        cuda_home = None if os.environ.get("PYMEM_BUILD_CUDA") == "0" else find_cuda_home()
+        if os.environ.get("PYMEM_BUILD_CUDA") == "0":
+            print("pymem: PYMEM_BUILD_CUDA=0; building without libpymem_cuda.so (CPU only)")
+            return
+        cuda_home = find_cuda_home()
         if cuda_home is None:
             print("pymem: no CUDA toolkit found; building without libpymem_cuda.so (CPU only)")
             return

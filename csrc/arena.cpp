@@ -86,7 +86,7 @@ uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double c
       b->cost = cost;
       b->pinned = pinned;
       b->requested = nbytes;
-      allocated_.emplace(b->addr, b);
+      allocated_.insert(b->addr, b);
       stats_.num_allocs++;
       stats_.allocated_bytes += rounded;
       stats_.requested_bytes += nbytes;
@@ -126,8 +126,9 @@ void Arena::throw_out_of_budget_locked(size_t nbytes, const char* why) {
   stats_.num_ooms++;
   const size_t largest = std::max(main_->largest_free(), small_ ? small_->largest_free() : 0);
   size_t unowned = 0;
-  for (const auto& [addr, b] : allocated_)
+  allocated_.for_each([&](uintptr_t, const Block* b) {
     if (b->owner == 0) unowned += b->size;
+  });
   std::string msg = "pymem: out of budget: cannot allocate " + std::to_string(nbytes) +
                     " bytes (" + std::to_string(align_up(nbytes)) + " rounded) in a budget of " +
                     std::to_string(budget_) + " bytes: " + std::to_string(stats_.allocated_bytes) +
@@ -153,8 +154,11 @@ Window Arena::find_window(size_t nbytes) {
 }
 
 Block* Arena::find_allocated_locked(uintptr_t addr, const char* what) const {
-  auto it = allocated_.find(addr);
-  if (it != allocated_.end()) return it->second;
+  if (Block* b = allocated_.find(addr)) return b;
+  throw_bad_pointer(addr, what);
+}
+
+void Arena::throw_bad_pointer(uintptr_t addr, const char* what) const {
   if (contains(addr))
     throw InvalidArgument(std::string(what) + ": " + hex(addr) +
                           " is inside this arena but is not the start of an allocated block "
@@ -163,27 +167,28 @@ Block* Arena::find_allocated_locked(uintptr_t addr, const char* what) const {
                         hex(base()) + ".." + hex(base() + budget_) + ")");
 }
 
-void Arena::release_block_locked(Block* b) {
+void Arena::release_block_locked(Block* b) {  // b already taken out of allocated_
   stats_.num_frees++;
   if (handlers_running_.load(std::memory_order_relaxed) > 0) stats_.num_released_blocks++;
   stats_.allocated_bytes -= b->size;
   stats_.requested_bytes -= b->requested;
   stats_.num_allocated_blocks--;
   if (b->pinned) stats_.pinned_bytes -= b->size;
-  allocated_.erase(b->addr);
   (b->region == RegionKind::Main ? *main_ : *small_).free(b);
 }
 
 void Arena::free(uintptr_t addr) {
   std::lock_guard<std::mutex> lock(mutex_);
-  release_block_locked(find_allocated_locked(addr, "free"));
+  Block* b = allocated_.take(addr);
+  if (!b) throw_bad_pointer(addr, "free");
+  release_block_locked(b);
 }
 
 bool Arena::try_free(uintptr_t addr) noexcept {
   std::lock_guard<std::mutex> lock(mutex_);
-  auto it = allocated_.find(addr);
-  if (it == allocated_.end()) return false;
-  release_block_locked(it->second);
+  Block* b = allocated_.take(addr);
+  if (!b) return false;
+  release_block_locked(b);
   return true;
 }
 

@@ -20,8 +20,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
 
+#include "addr_map.h"
 #include "backing.h"
 #include "region.h"
 #include "types.h"
@@ -80,6 +80,7 @@ class Arena {
  private:
   Block* try_allocate_locked(size_t rounded, CostClass cls);
   Block* find_allocated_locked(uintptr_t addr, const char* what) const;
+  [[noreturn]] void throw_bad_pointer(uintptr_t addr, const char* what) const;
   Window search_locked(size_t rounded);
   [[noreturn]] void throw_out_of_budget_locked(size_t nbytes, const char* why);
   void release_block_locked(Block* b);
@@ -88,7 +89,7 @@ class Arena {
   size_t budget_;
   size_t small_threshold_;
   std::unique_ptr<Region> main_, small_;
-  std::unordered_map<uintptr_t, Block*> allocated_;  // start address -> allocated block
+  AddrMap allocated_;  // start address -> allocated block
   mutable std::mutex mutex_;
   PressureHandler handler_;
   std::atomic<SearchMode> mode_;

@@ -44,9 +44,8 @@ void Region::delete_block(Block* b) {
 }
 
 Block* Region::allocate(size_t rounded, CostClass cls) {
-  auto it = free_.lower_bound(rounded);  // smallest free block >= rounded, lowest address first
-  if (it == free_.end()) return nullptr;
-  return place(*it, rounded, cls);
+  Block* b = free_.best_fit(rounded);  // smallest free block >= rounded, lowest address first
+  return b ? place(b, rounded, cls) : nullptr;
 }
 
 void Region::free(Block* b) {

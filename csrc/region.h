@@ -9,9 +9,9 @@
 // Not thread-safe: the owning Arena's mutex guards it.
 #pragma once
 
-#include <set>
 #include <vector>
 
+#include "free_index.h"
 #include "types.h"
 
 namespace pymem {
@@ -35,19 +35,10 @@ class Region {
   RegionKind kind() const { return kind_; }
   size_t free_bytes() const { return free_bytes_; }
   size_t num_blocks() const { return num_blocks_; }
-  size_t largest_free() const { return free_.empty() ? 0 : (*free_.rbegin())->size; }
+  size_t largest_free() const { return free_.largest(); }
   bool contains(uintptr_t addr) const { return addr >= base_ && addr < base_ + size_; }
 
  private:
-  struct BySizeAddr {
-    using is_transparent = void;
-    bool operator()(const Block* a, const Block* b) const {
-      return a->size != b->size ? a->size < b->size : a->addr < b->addr;
-    }
-    bool operator()(const Block* a, size_t n) const { return a->size < n; }
-    bool operator()(size_t n, const Block* b) const { return n < b->size; }
-  };
-
   Block* place(Block* free_block, size_t rounded, CostClass cls);  // placement.cpp
   Block* new_block();
   void delete_block(Block* b);
@@ -56,7 +47,7 @@ class Region {
   size_t size_;
   RegionKind kind_;
   Block* first_ = nullptr;
-  std::set<Block*, BySizeAddr> free_;
+  FreeIndex free_;
   size_t free_bytes_ = 0;
   size_t num_blocks_ = 0;
   // Block storage: chunks of Blocks plus a free list, so splitting never calls malloc on the fast

@@ -41,7 +41,8 @@ enum class RegionKind : uint8_t { Main = 0, Small = 1 };
 // One block of the arena: either free or allocated. Blocks of a region tile its address range
 // exactly, linked in address order (prev/next); no two neighbours are both free (coalesced on free).
 // Invariants: addr and size are multiples of kAlignment; size > 0.
-struct Block {
+// 64 bytes, cache-line aligned: a free touches a block and its two neighbours, one line each.
+struct alignas(64) Block {
   uintptr_t addr = 0;
   size_t size = 0;
   Block* prev = nullptr;  // lower-address neighbour in the same region, or null
@@ -54,6 +55,7 @@ struct Block {
   bool allocated = false;
   bool pinned = false;      // must not be released now (e.g. an input of the running op)
   RegionKind region = RegionKind::Main;
+  uint32_t index_pos = 0;   // free blocks: slot in the free index's per-size heap (free_index.h)
 };
 
 // A block the pressure handler is asked to release.
@@ -109,3 +111,5 @@ struct InvalidArgument : std::invalid_argument {
 };
 
 }  // namespace pymem
+
+static_assert(sizeof(pymem::Block) == 64, "Block should stay one cache line");

@@ -3,6 +3,8 @@
 This layer exposes the arena (``pymem.Arena``), the CPU allocator hook, and the CUDA library's
 location. The runtime (eviction and rematerialization) builds on it.
 """
+import torch  # noqa: F401  (loads libc10, which _C links against)
+
 from . import _C
 from ._C import Arena, Block, Victim, Window
 from .errors import OutOfBudgetError

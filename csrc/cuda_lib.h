@@ -1,0 +1,144 @@
+/* cuda_lib.h — the C ABI of libpymem_cuda.so.
+ *
+ * libpymem_cuda.so serves every CUDA allocation of a process from one pymem::Arena per device: a
+ * single cudaMalloc slab of exactly the budget, cut into blocks. It is a plain C library (no
+ * libtorch, no link-time libcudart: the runtime is reached through the table of cuda_table.h), so
+ * PyTorch can load it with
+ *
+ *   torch.cuda.memory.CUDAPluggableAllocator(path, "pymem_cuda_alloc", "pymem_cuda_free")
+ *
+ * and Python drives the rest through ctypes (pymem/cuda_lib.py).
+ *
+ * Errors: every int-returning function returns PYMEM_CUDA_OK (0) or one of the PYMEM_CUDA_E_*
+ * codes; pymem_cuda_alloc returns NULL. The message and code of this thread's most recent failure
+ * are kept (thread-local) until the next failure: pymem_cuda_last_error / _last_error_code.
+ * Nothing throws across this boundary and no bad input crashes the process.
+ *
+ * Stream order. The primary stream of a device is the stream of its first allocation (or the one
+ * set with pymem_cuda_set_primary_stream). A block allocated on the primary stream and never
+ * recorded on another stream goes straight back to the arena when freed: all later work on that
+ * stream is ordered after its last use. Any other block gets one event per stream that used it and
+ * waits on a pending list until they all complete. An allocation on a non-primary stream makes that
+ * stream wait for the primary stream's work so far, because a block freed straight back may still
+ * be read by kernels queued on the primary stream.
+ *
+ * Threads: all entry points are thread-safe except pymem_cuda_reset, pymem_cuda_set_table and
+ * pymem_cuda_configure, which must not race with allocations (they are set-up / test calls). */
+#ifndef PYMEM_CUDA_LIB_H
+#define PYMEM_CUDA_LIB_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h> /* ssize_t: the size type of CUDAPluggableAllocator's entry points */
+
+#include "cuda_table.h"
+
+#if defined(__GNUC__)
+#define PYMEM_CUDA_API __attribute__((visibility("default")))
+#else
+#define PYMEM_CUDA_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Bumped whenever a declaration below changes; the ctypes wrapper refuses a library it does not
+ * know. */
+#define PYMEM_CUDA_ABI_VERSION 1
+
+enum {
+  PYMEM_CUDA_OK = 0,
+  PYMEM_CUDA_E_INVALID = 1,  /* bad argument: budget, size, unknown pointer, null table entry */
+  PYMEM_CUDA_E_STATE = 2,    /* wrong time: configure after an arena exists, no arena yet, ... */
+  PYMEM_CUDA_E_OOM = 3,      /* the request does not fit the budget, even after releasing */
+  PYMEM_CUDA_E_CUDA = 4,     /* the CUDA runtime failed (or could not be loaded) */
+  PYMEM_CUDA_E_INTERNAL = 5  /* anything else (std::bad_alloc, a broken invariant) */
+};
+
+/* Search modes of pymem_cuda_configure (pymem::SearchMode). */
+enum { PYMEM_CUDA_SEARCH_WINDOW = 0, PYMEM_CUDA_SEARCH_ONE_AT_A_TIME = 1 };
+
+/* A block the pressure handler is asked to release (pymem::Victim). */
+typedef struct pymem_victim {
+  uint64_t owner;
+  uint64_t addr;
+  uint64_t size;
+  double cost;
+} pymem_victim;
+
+/* Counters of one device. Byte counts are rounded to 512. Blocks whose free is pending still count
+ * as allocated (the arena cannot hand them out yet). num_ooms counts allocations that returned
+ * NULL for lack of room; bad_frees counts frees of pointers this device did not hand out. */
+typedef struct pymem_cuda_stats {
+  uint64_t budget;
+  uint64_t allocated_bytes;
+  uint64_t peak_allocated_bytes;
+  uint64_t num_allocs;
+  uint64_t num_frees;
+  uint64_t num_pressure_events;
+  uint64_t num_released_blocks;
+  uint64_t num_ooms;
+  uint64_t largest_free_block;
+  uint64_t num_blocks;
+  uint64_t pending_frees;
+  uint64_t pending_bytes;
+  uint64_t bad_frees;
+} pymem_cuda_stats;
+
+/* Called, with no pymem lock held, when an allocation of `request` (rounded) bytes does not fit and
+ * no pending free is left to wait for. `victims` (valid only during the call) is the window the
+ * arena chose; the handler releases what it can by calling pymem_cuda_free on those blocks, and
+ * the arena retries. If it frees nothing, the allocation fails. */
+typedef void (*pymem_pressure_fn)(int device, size_t request, const pymem_victim* victims,
+                                  size_t n_victims, void* ctx);
+
+PYMEM_CUDA_API int pymem_cuda_abi_version(void);
+
+/* Budget (bytes, per device), small-request threshold (0 disables the small region) and search
+ * mode for arenas created from now on. Only while no arena exists. */
+PYMEM_CUDA_API int pymem_cuda_configure(size_t budget, size_t small_threshold, int search_mode);
+
+/* Use `table` (copied) instead of the real CUDA runtime; NULL goes back to the real runtime, loaded
+ * on the first allocation. Only while no arena exists (arenas keep using the table they got). */
+PYMEM_CUDA_API int pymem_cuda_set_table(const pymem_cuda_table* table);
+
+/* CUDAPluggableAllocator entry points. alloc returns NULL for size 0 and on any failure. */
+PYMEM_CUDA_API void* pymem_cuda_alloc(ssize_t size, int device, void* stream);
+PYMEM_CUDA_API void pymem_cuda_free(void* ptr, ssize_t size, int device, void* stream);
+/* pymem_cuda_free with a result, for callers that can act on one (Python). */
+PYMEM_CUDA_API int pymem_cuda_free_checked(void* ptr, int device, void* stream);
+
+/* The block at ptr is also used on `stream`: its free waits for that stream's work. */
+PYMEM_CUDA_API int pymem_cuda_record_stream(void* ptr, int device, void* stream);
+/* Make `stream` the primary stream of `device` (before or after its first allocation). */
+PYMEM_CUDA_API int pymem_cuda_set_primary_stream(int device, void* stream);
+
+/* Pressure protocol: the handler (NULL: none) and per-block owner / release cost / pinning.
+ * owner 0 means "not releasable". */
+PYMEM_CUDA_API void pymem_cuda_set_pressure_handler(pymem_pressure_fn fn, void* ctx);
+PYMEM_CUDA_API int pymem_cuda_set_owner(void* ptr, int device, uint64_t owner, double cost);
+PYMEM_CUDA_API int pymem_cuda_set_pinned(void* ptr, int device, int pinned);
+
+PYMEM_CUDA_API int pymem_cuda_get_stats(int device, pymem_cuda_stats* out);
+
+/* Drop every arena, pending list and event (tests). Fails if a block is still allocated; pending
+ * frees are synchronised first. Configuration, table and pressure handler are kept. */
+PYMEM_CUDA_API int pymem_cuda_reset(void);
+
+PYMEM_CUDA_API const char* pymem_cuda_last_error(void);
+PYMEM_CUDA_API int pymem_cuda_last_error_code(void);
+
+#ifdef __cplusplus
+} /* extern "C" */
+
+#include <string>
+
+namespace pymem {
+// The real CUDA runtime: dlopen of libcudart (the one PyTorch already loaded when there is one).
+// Loaded once; returns null and sets *error when no libcudart can be found.
+const pymem_cuda_table* load_cuda_runtime(std::string* error);
+}  // namespace pymem
+#endif
+
+#endif /* PYMEM_CUDA_LIB_H */
