@@ -107,6 +107,7 @@ def test_pressure_handler_frees_tensors_from_inside_an_op(hooked):
         hooked.set_pressure_handler(None)
     assert big.numel() == 100 << 20 and not big.any()
     assert released and set(released) | set(owned) == {1, 2, 3, 4}
+    del big
     for i, t in owned.items():
         assert torch.equal(t, torch.full((12 << 20,), float(i)))
     s = hooked.stats()
