@@ -11,6 +11,7 @@ if _path:
     _spec = importlib.util.spec_from_file_location("_C_asan", _path)
     C = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(C)
+    assert C.HAS_TORCH_HOOK is False  # the torch-free sanitizer build, not pymem._C
     OutOfBudget = MemoryError
 else:
     import pymem

@@ -179,8 +179,8 @@ class Client:
             self.live[p] = device
         return p
 
-    def free(self, ptr, device=0, stream=S1):
-        self.lib.free(ptr, device, stream)
+    def free(self, ptr, device=0):
+        self.lib.free(ptr, device)
         self.live.pop(ptr, None)
 
     def __getattr__(self, name):
@@ -208,7 +208,7 @@ def cu(lib, fake):
     c = Client(lib)
     yield c
     for p, dev in list(c.live.items()):
-        lib.raw.pymem_cuda_free_checked(p, dev, S1)
+        lib.raw.pymem_cuda_free_checked(p, dev)
     fake.complete()
     lib.reset()
     # every event the library created was destroyed, and every slab given back
@@ -315,6 +315,10 @@ def test_same_stream_free_is_reusable_at_once(cu, fake):
     assert st["pending_frees"] == 0 and st["num_frees"] == 1
     assert cu.alloc(10 * KiB) == a
     assert fake.records() == []  # no event for a block that only the primary stream used
+    # PyTorch's entry point: the size and stream it passes back change nothing
+    cu.raw.pymem_cuda_free(ctypes.c_void_p(a), 12345, 0, ctypes.c_void_p(S2))
+    cu.live.pop(a)
+    assert cu.stats()["pending_frees"] == 0 and cu.alloc(10 * KiB) == a
 
 
 def test_recorded_block_is_not_reused_until_its_events_complete(cu, fake):
@@ -348,7 +352,7 @@ def test_block_of_a_non_primary_stream_waits_for_that_stream(cu, fake):
     cu.alloc(KiB, stream=S1)  # S1 becomes the primary stream
     a = cu.alloc(10 * KiB, stream=S2)
     mark = len(fake.log)
-    cu.free(a, stream=S2)
+    cu.free(a)
     assert [st for _, st in fake.records(mark)] == [S2]
     assert cu.stats()["pending_frees"] == 1
     fake.complete(S2)
@@ -376,7 +380,7 @@ def test_set_primary_stream(cu, fake):
     mark = len(fake.log)
     a = cu.alloc(KiB, stream=S3)
     assert fake.waits(mark) == []
-    cu.free(a, stream=S3)
+    cu.free(a)
     assert cu.stats()["pending_frees"] == 0  # primary: straight back
     b = cu.alloc(KiB, stream=S1)
     assert fake.waits(mark) and fake.waits(mark)[-1][0] == S1
@@ -385,10 +389,10 @@ def test_set_primary_stream(cu, fake):
     cu.set_primary_stream(0, S1)
     (ev, st), = fake.records(mark)
     assert st == S3 and fake.waits(mark) == [(S1, ev)]
-    cu.free(b, stream=S1)
+    cu.free(b)
     assert cu.stats()["pending_frees"] == 0
     c = cu.alloc(KiB, stream=S3)  # allocated on the old primary: now a side stream
-    cu.free(c, stream=S3)
+    cu.free(c)
     assert cu.stats()["pending_frees"] == 1
 
 
@@ -467,7 +471,7 @@ def test_pressure_victims_used_on_other_streams_are_waited_for(cu, fake):
     b = cu.alloc(512 * KiB, stream=S2)  # side stream: its free goes pending
     cu.set_owner(a, 0, owner=1, cost=5.0)
     cu.set_owner(b, 0, owner=2, cost=1.0)
-    cu.set_pressure_handler(lambda dev, req, victims: [cu.free(v.addr, stream=S2) for v in victims])
+    cu.set_pressure_handler(lambda dev, req, victims: [cu.free(v.addr) for v in victims])
     mark = len(fake.log)
     p = cu.alloc(300 * KiB)
     assert p == b and fake.syncs(mark)  # b's event was synchronised inside the protocol
@@ -602,7 +606,7 @@ def test_stats(cu, fake):
     b = cu.alloc(1000)  # rounded to 1024
     c = cu.alloc(50 * KiB, stream=S2)
     cu.free(b)
-    cu.free(c, stream=S2)  # pending
+    cu.free(c)  # pending
     st = cu.stats()
     assert st == {
         "budget": BUDGET,
@@ -645,7 +649,7 @@ def test_devices_have_separate_arenas(cu, fake):
     with pytest.raises(ValueError, match="not a live pymem block of device 0"):
         cu.set_owner(b, 0, owner=1)
     cu.record_stream(b, 1, S3)
-    cu.free(b, device=1, stream=S2)
+    cu.free(b, device=1)
     # events of device 1 were created with device 1 current
     assert {e["device"] for e in fake.events.values()} == {1}
     assert fake.current_device == 0
@@ -686,7 +690,7 @@ def test_threads(cu, fake):
         try:
             for i in range(300):
                 p = cu.lib.alloc(512 * (1 + (seed + i) % 7), 0, S1)
-                cu.lib.free(p, 0, S1)
+                cu.lib.free(p, 0)
         except Exception as e:  # noqa: BLE001
             errors.append(e)
 
