@@ -36,6 +36,7 @@ std::shared_ptr<Arena> g_active_owner;
 c10::Allocator* g_previous = nullptr;
 
 void delete_fn(void* ptr) {
+  if (!ptr) return;  // c10 may hand back the null DataPtr of a 0-byte allocation
   const uintptr_t a = reinterpret_cast<uintptr_t>(ptr);
   const size_t n = g_num_slots.load(std::memory_order_acquire);
   for (size_t i = 0; i < n; ++i) {
