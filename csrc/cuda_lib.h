@@ -88,8 +88,9 @@ typedef struct pymem_cuda_stats {
 
 /* Called, with no pymem lock held, when an allocation of `request` (rounded) bytes does not fit and
  * no pending free is left to wait for. `victims` (valid only during the call) is the window the
- * arena chose; the handler releases what it can by calling pymem_cuda_free on those blocks, and
- * the arena retries. If it frees nothing, the allocation fails. */
+ * arena chose; the handler releases what it can by calling pymem_cuda_free_owned (or
+ * pymem_cuda_free) on those blocks, and the arena retries. If it frees nothing, the allocation
+ * fails. Victims freed here that other streams used are waited for before the retry. */
 typedef void (*pymem_pressure_fn)(int device, size_t request, const pymem_victim* victims,
                                   size_t n_victims, void* ctx);
 
@@ -103,11 +104,20 @@ PYMEM_CUDA_API int pymem_cuda_configure(size_t budget, size_t small_threshold, i
  * on the first allocation. Only while no arena exists (arenas keep using the table they got). */
 PYMEM_CUDA_API int pymem_cuda_set_table(const pymem_cuda_table* table);
 
-/* CUDAPluggableAllocator entry points. alloc returns NULL for size 0 and on any failure. */
+/* CUDAPluggableAllocator entry points. alloc returns NULL for size 0 and on any failure. free
+ * ignores `size` and `stream` (PyTorch passes back those of the allocation): the streams a block
+ * waits for are its allocation stream and those given to pymem_cuda_record_stream, as in PyTorch's
+ * caching allocator. Freeing NULL does nothing; freeing anything else unknown is counted
+ * (bad_frees) and reported through pymem_cuda_last_error. */
 PYMEM_CUDA_API void* pymem_cuda_alloc(ssize_t size, int device, void* stream);
 PYMEM_CUDA_API void pymem_cuda_free(void* ptr, ssize_t size, int device, void* stream);
 /* pymem_cuda_free with a result, for callers that can act on one (Python). */
-PYMEM_CUDA_API int pymem_cuda_free_checked(void* ptr, int device, void* stream);
+PYMEM_CUDA_API int pymem_cuda_free_checked(void* ptr, int device);
+/* Frees ptr only if it is a live block whose owner (pymem_cuda_set_owner) is `owner`; otherwise
+ * returns PYMEM_CUDA_E_INVALID and frees nothing (not counted as a bad free). Pressure handlers
+ * should release victims with it: with several allocating threads, a victim may already have been
+ * released by another handler, and its address handed out again, by the time this one runs. */
+PYMEM_CUDA_API int pymem_cuda_free_owned(void* ptr, int device, uint64_t owner);
 
 /* The block at ptr is also used on `stream`: its free waits for that stream's work. */
 PYMEM_CUDA_API int pymem_cuda_record_stream(void* ptr, int device, void* stream);

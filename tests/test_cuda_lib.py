@@ -448,7 +448,8 @@ def test_pressure_handler_receives_victims_and_the_allocation_succeeds(cu, fake)
     def handler(device, request, victims):
         seen.append((device, request, victims))
         for v in victims:
-            cu.free(v.addr)
+            assert cu.free_owned(v.addr, device, v.owner)
+            cu.live.pop(v.addr)
 
     cu.set_pressure_handler(handler)
     p = cu.alloc(400 * KiB)
@@ -477,6 +478,22 @@ def test_pressure_victims_used_on_other_streams_are_waited_for(cu, fake):
     assert p == b and fake.syncs(mark)  # b's event was synchronised inside the protocol
     cu.free(p)
     cu.free(a)
+
+
+def test_free_owned_frees_only_the_owners_block(cu, fake):
+    a = cu.alloc(4 * KiB)
+    assert not cu.free_owned(a, 0, 1)  # owner 0 until set_owner
+    cu.set_owner(a, 0, owner=42, cost=1.0)
+    assert not cu.free_owned(a, 0, 41)
+    assert "owner 41" in cu.last_error()
+    assert cu.free_owned(a, 0, 42)
+    cu.live.pop(a)
+    assert not cu.free_owned(a, 0, 42)  # already released
+    b = cu.alloc(4 * KiB)
+    assert b == a and not cu.free_owned(b, 0, 42)  # the address was handed out again
+    st = cu.stats()
+    assert st["bad_frees"] == 0 and st["num_frees"] == 1
+    cu.free(b)
 
 
 def test_pinned_and_unowned_blocks_are_not_victims(cu, fake):
