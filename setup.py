@@ -77,6 +77,7 @@ setup(
         )
     ],
     cmdclass={"build_ext": BuildWithCudaLib},
+    entry_points={"console_scripts": ["pymem = pymem.cli:main"]},
     python_requires=">=3.9",
     install_requires=["torch", "numpy"],
     zip_safe=False,

@@ -25,50 +25,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import pymem  # noqa: E402
 from alloc_trace import record, replay  # noqa: E402
-
-
-class Block(torch.nn.Module):
-    def __init__(self, d, heads):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
-        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
-        self.drop = torch.nn.Dropout(0.1)
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
-        return x + self.drop(self.mlp(self.ln2(x)))
-
-
-class TinyGPT(torch.nn.Module):
-    def __init__(self, vocab=512, d=128, heads=4, layers=4, seq=256):
-        super().__init__()
-        self.emb, self.pos = torch.nn.Embedding(vocab, d), torch.nn.Parameter(torch.zeros(seq, d))
-        self.blocks = torch.nn.Sequential(*[Block(d, heads) for _ in range(layers)])
-        self.head = torch.nn.Linear(d, vocab)
-
-    def forward(self, idx):
-        return self.head(self.blocks(self.emb(idx) + self.pos[: idx.shape[1]]))
-
-
-def transformer_step(batch=16, seq=256):
-    torch.manual_seed(0)
-    model = TinyGPT(seq=seq)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    idx = torch.randint(0, 512, (batch, seq))
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        logits = model(idx[:, :-1])
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
-        loss.backward()
-        opt.step()
-
-    return step
+from pymem.demo_models import gpt_trainer  # noqa: E402
 
 
 def lowest_feasible(trace, search, lo=0.05, hi=1.0, tol=0.005):
@@ -99,7 +56,7 @@ def main():
     for n in (1000, 10000):
         res["window_search_us"][str(n)] = round(pymem._C._bench_window_search(n, 200 if args.quick else 2000), 2)
 
-    trace = record(transformer_step())
+    trace = record(gpt_trainer(batch=16, seq=256))
     res["trace"] = {"ops": len(trace.ops), "peak_bytes": trace.peak,
                     "allocations": sum(len(a) for _, a, _ in trace.ops)}
     for ratio in (0.5, 0.3):
