@@ -16,22 +16,11 @@ import threading
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CUDA_LIB_PY = os.path.join(ROOT, "pymem", "cuda_lib.py")
+CUDA_LIB_PY = os.path.join(ROOT, "pymem", "cuda_lib.py")  # loaded alone in the torch-free subprocess tests
 
 
-def _import_cuda_lib():
-    """pymem.cuda_lib, or the same file loaded on its own while pymem._C is not built."""
-    try:
-        from pymem import cuda_lib
-        return cuda_lib
-    except ImportError:
-        spec = importlib.util.spec_from_file_location("pymem_cuda_lib_standalone", CUDA_LIB_PY)
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-        return mod
+from pymem import cuda_lib  # noqa: E402
 
-
-cuda_lib = _import_cuda_lib()
 LIB_PATH = cuda_lib.library_path()
 if LIB_PATH is None:
     pytest.skip("pymem/libpymem_cuda.so is not built (setup.py builds it only when a CUDA toolkit is "
