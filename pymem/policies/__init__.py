@@ -1,0 +1,19 @@
+"""Eviction policies: tiny registered classes with one ``evaluate`` method (lowest score goes first).
+
+The runtime and the simulator both call these; policies import nothing from either. A policy sees
+a tensor only through the read-only attributes of :class:`TensorView` and the logical clock::
+
+    from pymem.policies import get_policy
+    dtr = get_policy("dtr")
+    victim = min(candidates, key=lambda t: dtr.evaluate(t, now))
+
+Names: ``dtr`` (h_DTR with the union-find estimate of e*), ``dtr-local``, ``lru``, ``size``,
+``msps`` (Capuchin), ``coop`` (h = c'/s, fed to the arena's window search as block cost).
+"""
+from .base import Policy, TensorView, get_policy, policy_names, register
+from .heuristics import Coop, DTR, DTRLocal, LRU, MSPS, Size
+from .neighbourhood import EvictedNeighbourhood
+from .sampling import sample_candidates
+
+__all__ = ["Policy", "TensorView", "get_policy", "policy_names", "register", "DTR", "DTRLocal", "LRU",
+           "Size", "MSPS", "Coop", "EvictedNeighbourhood", "sample_candidates"]

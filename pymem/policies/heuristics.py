@@ -1,0 +1,70 @@
+"""The heuristics (DTR paper, section 4; Capuchin; Coop). Lowest score is released first.
+
+m = bytes, s = staleness, c = compute cost of the producer, e* = cost of the evicted
+neighbourhood that releasing this tensor would make a future recompute redo.
+"""
+from .base import Policy, TensorView, register, staleness
+
+
+@register
+class DTR(Policy):
+    """h_DTR = (c + e*) / (m * s), with the union-find (h_DTR^eq) estimate of e*."""
+
+    name = "dtr"
+    uses_neighbourhood = True
+
+    def evaluate(self, t: TensorView, now: float) -> float:
+        return (t.compute_cost + t.evicted_neighbour_cost) / (max(t.nbytes, 1) * staleness(t, now))
+
+
+@register
+class DTRLocal(Policy):
+    """h_local = c / (m * s): DTR without the neighbourhood term."""
+
+    name = "dtr-local"
+
+    def evaluate(self, t: TensorView, now: float) -> float:
+        return t.compute_cost / (max(t.nbytes, 1) * staleness(t, now))
+
+
+@register
+class LRU(Policy):
+    """Least recently used first."""
+
+    name = "lru"
+
+    def evaluate(self, t: TensorView, now: float) -> float:
+        return t.last_access
+
+
+@register
+class Size(Policy):
+    """Largest first."""
+
+    name = "size"
+
+    def evaluate(self, t: TensorView, now: float) -> float:
+        return -float(t.nbytes)
+
+
+@register
+class MSPS(Policy):
+    """Capuchin's memory saving per second, inverted so the lowest goes first:
+    (c + cost of evicted ancestors) / m."""
+
+    name = "msps"
+
+    def evaluate(self, t: TensorView, now: float) -> float:
+        return (t.compute_cost + t.evicted_ancestor_cost) / max(t.nbytes, 1)
+
+
+@register
+class Coop(Policy):
+    """Coop's h = c' / s with c' = c + e*; no size term: the arena's window search weighs bytes
+    itself. Used as the arena block cost (`Arena.set_cost`)."""
+
+    name = "coop"
+    uses_neighbourhood = True
+
+    def evaluate(self, t: TensorView, now: float) -> float:
+        return (t.compute_cost + t.evicted_neighbour_cost) / staleness(t, now)
