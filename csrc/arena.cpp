@@ -16,15 +16,17 @@ namespace {
 // own thread is inside a handler fails at once instead of recursing into the handler.
 thread_local int tls_handler_depth = 0;
 
-std::string hex(uintptr_t a) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(a));
-  return buf;
-}
-
 void check_cost(double cost) {
   if (!(cost >= 0.0) || std::isinf(cost))
     throw InvalidArgument("release cost must be a finite number >= 0, got " + std::to_string(cost));
+}
+
+}  // namespace
+
+std::string format_address(uintptr_t a) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(a));
+  return buf;
 }
 
 void check_budget(size_t budget) {
@@ -35,8 +37,6 @@ void check_budget(size_t budget) {
     throw InvalidArgument("budget must be a multiple of " + std::to_string(kAlignment) +
                           " bytes, got " + std::to_string(budget));
 }
-
-}  // namespace
 
 std::unique_ptr<Arena> make_arena(const std::string& backing, const ArenaConfig& config) {
   check_budget(config.budget);
@@ -90,7 +90,6 @@ uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double c
       stats_.num_allocs++;
       stats_.allocated_bytes += rounded;
       stats_.requested_bytes += nbytes;
-      stats_.num_allocated_blocks++;
       if (pinned) stats_.pinned_bytes += rounded;
       if (stats_.allocated_bytes > stats_.peak_allocated_bytes)
         stats_.peak_allocated_bytes = stats_.allocated_bytes;
@@ -160,11 +159,11 @@ Block* Arena::find_allocated_locked(uintptr_t addr, const char* what) const {
 
 void Arena::throw_bad_pointer(uintptr_t addr, const char* what) const {
   if (contains(addr))
-    throw InvalidArgument(std::string(what) + ": " + hex(addr) +
+    throw InvalidArgument(std::string(what) + ": " + format_address(addr) +
                           " is inside this arena but is not the start of an allocated block "
                           "(already freed, or a pointer into the middle of a block)");
-  throw InvalidArgument(std::string(what) + ": " + hex(addr) + " was not allocated by this arena (range " +
-                        hex(base()) + ".." + hex(base() + budget_) + ")");
+  throw InvalidArgument(std::string(what) + ": " + format_address(addr) + " was not allocated by this arena (range " +
+                        format_address(base()) + ".." + format_address(base() + budget_) + ")");
 }
 
 void Arena::release_block_locked(Block* b) {  // b already taken out of allocated_
@@ -172,7 +171,6 @@ void Arena::release_block_locked(Block* b) {  // b already taken out of allocate
   if (handlers_running_.load(std::memory_order_relaxed) > 0) stats_.num_released_blocks++;
   stats_.allocated_bytes -= b->size;
   stats_.requested_bytes -= b->requested;
-  stats_.num_allocated_blocks--;
   if (b->pinned) stats_.pinned_bytes -= b->size;
   (b->region == RegionKind::Main ? *main_ : *small_).free(b);
 }
@@ -228,6 +226,7 @@ void Arena::set_pressure_handler(PressureHandler handler) {
 ArenaStats Arena::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   ArenaStats s = stats_;
+  s.num_allocated_blocks = allocated_.size();
   s.num_blocks = main_->num_blocks() + (small_ ? small_->num_blocks() : 0);
   s.free_bytes = main_->free_bytes() + (small_ ? small_->free_bytes() : 0);
   s.largest_free_block = std::max(main_->largest_free(), small_ ? small_->largest_free() : 0);

@@ -102,4 +102,8 @@ class Arena {
 namespace pymem {
 // Builds an arena over a new backing ("host", "virtual"); validates the budget before mapping.
 std::unique_ptr<Arena> make_arena(const std::string& backing, const ArenaConfig& config);
+// Throws InvalidArgument unless `budget` can back an arena (>= and a multiple of kAlignment).
+void check_budget(size_t budget);
+// "0x..." for error messages.
+std::string format_address(uintptr_t addr);
 }  // namespace pymem

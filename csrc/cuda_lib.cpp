@@ -37,11 +37,7 @@ int fail(int code, std::string msg) {
   return code;
 }
 
-std::string hex(uintptr_t a) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "0x%llx", static_cast<unsigned long long>(a));
-  return buf;
-}
+using pymem::format_address;
 
 // What the library knows about a live (allocated, not yet freed) block.
 struct BlockInfo {
@@ -296,15 +292,15 @@ int guarded(const char* where, F&& body) noexcept {
 std::string bad_free_message(const Device& d, uintptr_t addr) {
   for (const PendingFree& p : d.pending)
     if (p.addr == addr)
-      return "pymem: free of " + hex(addr) + " on device " + std::to_string(d.index) +
+      return "pymem: free of " + format_address(addr) + " on device " + std::to_string(d.index) +
              ": already freed (double free; its first free is still waiting for its streams)";
   if (d.arena->contains(addr))
-    return "pymem: free of " + hex(addr) + " on device " + std::to_string(d.index) +
+    return "pymem: free of " + format_address(addr) + " on device " + std::to_string(d.index) +
            ": not the start of a live block of this device's arena (already freed, or a pointer "
            "into the middle of a block)";
-  return "pymem: free of " + hex(addr) + " on device " + std::to_string(d.index) +
-         ": not allocated by pymem (arena range " + hex(d.arena->base()) + ".." +
-         hex(d.arena->base() + d.arena->budget()) + ")";
+  return "pymem: free of " + format_address(addr) + " on device " + std::to_string(d.index) +
+         ": not allocated by pymem (arena range " + format_address(d.arena->base()) + ".." +
+         format_address(d.arena->base() + d.arena->budget()) + ")";
 }
 
 // owner == nullptr: any live block; otherwise only a live block of that owner (a victim whose
@@ -316,11 +312,11 @@ int free_impl(void* ptr, int device, const uint64_t* owner = nullptr) {
   std::lock_guard<std::mutex> lock(s.mu);
   Device* d = find_device_locked(s, device);
   if (!d || !d->arena)
-    return fail(PYMEM_CUDA_E_INVALID, "pymem: free of " + hex(addr) + " on device " +
+    return fail(PYMEM_CUDA_E_INVALID, "pymem: free of " + format_address(addr) + " on device " +
                                           std::to_string(device) + ", which has no pymem arena");
   auto it = d->live.find(addr);
   if (owner && (it == d->live.end() || it->second.owner != *owner))
-    return fail(PYMEM_CUDA_E_INVALID, "pymem: free of " + hex(addr) + " on device " +
+    return fail(PYMEM_CUDA_E_INVALID, "pymem: free of " + format_address(addr) + " on device " +
                                           std::to_string(device) + ": no live block of owner " +
                                           std::to_string(*owner) + " there (already released)");
   if (it == d->live.end()) {
@@ -362,7 +358,7 @@ int free_impl(void* ptr, int device, const uint64_t* owner = nullptr) {
   d->pending_bytes += p.size;
   d->pending.push_back(std::move(p));
   if (err != 0)
-    return fail(PYMEM_CUDA_E_CUDA, "pymem: free of " + hex(addr) + " on device " +
+    return fail(PYMEM_CUDA_E_CUDA, "pymem: free of " + format_address(addr) + " on device " +
                                        std::to_string(device) + ": recording its stream event failed "
                                        "with CUDA error " + std::to_string(err) +
                                        "; the block is kept out of use");
@@ -378,7 +374,7 @@ int with_live_block(const char* what, void* ptr, int device, F&& body) {
   const uintptr_t addr = reinterpret_cast<uintptr_t>(ptr);
   auto it = d ? d->live.find(addr) : std::unordered_map<uintptr_t, BlockInfo>::iterator();
   if (!d || it == d->live.end())
-    return fail(PYMEM_CUDA_E_INVALID, std::string("pymem: ") + what + ": " + hex(addr) +
+    return fail(PYMEM_CUDA_E_INVALID, std::string("pymem: ") + what + ": " + format_address(addr) +
                                           " is not a live pymem block of device " + std::to_string(device));
   body(*d->arena, addr, it->second);
   return 0;
@@ -399,8 +395,7 @@ PYMEM_CUDA_API int pymem_cuda_configure(size_t budget, size_t small_threshold, i
     cfg.budget = budget;
     cfg.small_threshold = small_threshold;
     cfg.mode = static_cast<pymem::SearchMode>(search_mode);
-    // The arena's own validation, on a backing that holds no memory: throws InvalidArgument.
-    pymem::make_arena("virtual", cfg);
+    pymem::check_budget(budget);  // the arena's own validation: throws InvalidArgument
     State& s = state();
     std::lock_guard<std::mutex> lock(s.mu);
     if (any_arena_locked(s))
@@ -487,7 +482,7 @@ PYMEM_CUDA_API void* pymem_cuda_alloc(ssize_t size, int device, void* stream) {
     if (stream != d->primary) {
       if (int err = order_after_primary_locked(s, *d, stream)) {
         arena->free(addr);
-        return fail(PYMEM_CUDA_E_CUDA, "pymem: making stream " + hex(reinterpret_cast<uintptr_t>(stream)) +
+        return fail(PYMEM_CUDA_E_CUDA, "pymem: making stream " + format_address(reinterpret_cast<uintptr_t>(stream)) +
                                            " wait for the primary stream failed with CUDA error " +
                                            std::to_string(err));
       }
