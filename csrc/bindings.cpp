@@ -35,6 +35,22 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
   m.def("adopt_storage", &pymem::adopt_storage, py::arg("dst"), py::arg("src"), py::arg("nbytes"),
         "Move src's buffer into dst's evicted storage without a copy; dst's _version is unchanged.");
   m.def("storage_is_evicted", &pymem::storage_is_evicted, py::arg("tensor"));
+  py::class_<pymem::StorageRef>(m, "StorageRef",
+                                "A weak reference to a tensor's storage (its alias pool); see storage.h.")
+      .def(py::init<const at::Tensor&>(), py::arg("tensor"))
+      .def_property_readonly("alive", &pymem::StorageRef::alive)
+      .def_property_readonly("key", &pymem::StorageRef::key)
+      .def_property_readonly("nbytes", &pymem::StorageRef::nbytes)
+      .def_property_readonly("evicted", &pymem::StorageRef::evicted)
+      .def_property_readonly("data_ptr", &pymem::StorageRef::data_ptr)
+      .def("evict", &pymem::StorageRef::evict)
+      .def("adopt", &pymem::StorageRef::adopt, py::arg("src"))
+      .def("view", &pymem::StorageRef::view, py::arg("dtype"), py::arg("size"), py::arg("stride"), py::arg("offset"))
+      .def("strong", &pymem::StorageRef::strong);
+  m.def("storage_key", &pymem::storage_key, py::arg("tensor"),
+        "The tensor's StorageImpl address (its alias-pool key), or 0 without a plain storage.");
+  m.def("alias_tensor", &pymem::alias_tensor, py::arg("tensor"),
+        "A new tensor sharing the storage and view metadata, outside autograd and the dispatcher.");
 #else
   m.attr("HAS_TORCH_HOOK") = false;
 #endif

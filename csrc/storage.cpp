@@ -47,3 +47,93 @@ bool storage_is_evicted(const at::Tensor& t) {
 }
 
 }  // namespace pymem
+
+#include <ATen/core/TensorBody.h>
+#include <c10/core/DispatchKeySet.h>
+#include <c10/core/TensorImpl.h>
+
+namespace pymem {
+
+namespace {
+at::Tensor make_view(c10::intrusive_ptr<c10::StorageImpl> s, at::ScalarType dtype, c10::IntArrayRef size,
+                     c10::IntArrayRef stride, int64_t offset) {
+  const c10::Device dev = s->device();
+  c10::DispatchKeySet keys(c10::computeDispatchKey(dtype, c10::kStrided, dev));
+  auto t = at::detail::make_tensor<c10::TensorImpl>(c10::Storage(std::move(s)), keys,
+                                                    caffe2::TypeMeta::fromScalarType(dtype));
+  t.unsafeGetTensorImpl()->set_sizes_and_strides(size, stride, offset);
+  return t;
+}
+}  // namespace
+
+StorageRef::StorageRef(const at::Tensor& t)
+    : weak_(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl(t, "StorageRef"))),
+      key_(reinterpret_cast<uintptr_t>(t.storage().unsafeGetStorageImpl())),
+      nbytes_(t.storage().nbytes()) {}
+
+c10::intrusive_ptr<c10::StorageImpl> StorageRef::lock(const char* what) const {
+  auto s = weak_.lock();
+  TORCH_CHECK(s, "pymem.StorageRef.", what, ": the storage is dead (every tensor of it was freed)");
+  return s;
+}
+
+bool StorageRef::evicted() const {
+  auto s = weak_.lock();
+  return s && s->nbytes() == 0 && s->data_ptr().get() == nullptr;
+}
+
+uintptr_t StorageRef::data_ptr() const {
+  auto s = weak_.lock();
+  return s ? reinterpret_cast<uintptr_t>(s->data_ptr().get()) : 0;
+}
+
+size_t StorageRef::evict() {
+  auto s = lock("evict");
+  const size_t n = s->nbytes();
+  TORCH_CHECK(n > 0 && s->data_ptr().get() != nullptr, "pymem.StorageRef.evict: the storage holds no bytes");
+  s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
+  s->set_nbytes(0);
+  return n;
+}
+
+void StorageRef::adopt(const at::Tensor& src) {
+  auto d = lock("adopt");
+  c10::StorageImpl* s = impl(src, "StorageRef.adopt");
+  TORCH_CHECK(d.get() != s, "pymem.StorageRef.adopt: source and destination share one storage");
+  TORCH_CHECK(d->nbytes() == 0 && d->data_ptr().get() == nullptr,
+              "pymem.StorageRef.adopt: the destination is not evicted (it holds ", d->nbytes(), " bytes)");
+  TORCH_CHECK(s->nbytes() == nbytes_, "pymem.StorageRef.adopt: the recomputed storage holds ", s->nbytes(),
+              " bytes, the evicted one held ", nbytes_);
+  TORCH_CHECK(s->device() == d->device(), "pymem.StorageRef.adopt: the recomputed storage is on ", s->device(),
+              ", the evicted one on ", d->device());
+  c10::DataPtr buf = s->set_data_ptr(c10::DataPtr(nullptr, s->device()));
+  s->set_nbytes(0);
+  d->set_data_ptr_noswap(std::move(buf));
+  d->set_nbytes(nbytes_);
+}
+
+at::Tensor StorageRef::view(at::ScalarType dtype, const std::vector<int64_t>& size,
+                            const std::vector<int64_t>& stride, int64_t offset) const {
+  TORCH_CHECK(size.size() == stride.size(), "pymem.StorageRef.view: ", size.size(), " sizes but ", stride.size(),
+              " strides");
+  return make_view(lock("view"), dtype, size, stride, offset);
+}
+
+at::Tensor StorageRef::strong() const {
+  auto s = lock("strong");
+  const int64_t n = static_cast<int64_t>(s->nbytes());
+  return make_view(std::move(s), at::kByte, {n}, {1}, 0);
+}
+
+uintptr_t storage_key(const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return 0;
+  return reinterpret_cast<uintptr_t>(t.storage().unsafeGetStorageImpl());
+}
+
+at::Tensor alias_tensor(const at::Tensor& t) {
+  c10::StorageImpl* s = impl(t, "alias_tensor");
+  return make_view(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s), t.scalar_type(), t.sizes(), t.strides(),
+                   t.storage_offset());
+}
+
+}  // namespace pymem

@@ -19,3 +19,49 @@ void adopt_storage(const at::Tensor& dst, const at::Tensor& src, size_t nbytes);
 bool storage_is_evicted(const at::Tensor& t);
 
 }  // namespace pymem
+
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <vector>
+
+namespace pymem {
+
+// A weak reference to one StorageImpl (an alias pool: a storage and all its views). It keeps the
+// StorageImpl object, not its buffer, alive: the buffer is freed the moment the last tensor dies
+// (eager eviction for free), and the object's address — the runtime's key — cannot be reused while
+// the reference exists, so a stale key can never name a newer storage.
+class StorageRef {
+ public:
+  explicit StorageRef(const at::Tensor& t);
+  bool alive() const { return !weak_.expired(); }
+  uintptr_t key() const { return key_; }
+  size_t nbytes() const { return nbytes_; }  // what the storage held when referenced
+  // Alive and holding no buffer.
+  bool evicted() const;
+  // Address of the buffer (0 when evicted or dead).
+  uintptr_t data_ptr() const;
+  // Frees the buffer in place (see evict_storage); returns its bytes.
+  size_t evict();
+  // Moves `src`'s whole storage buffer (exactly nbytes()) into this evicted storage.
+  void adopt(const at::Tensor& src);
+  // A new tensor over this storage with the given view metadata: no dispatcher, no autograd.
+  at::Tensor view(at::ScalarType dtype, const std::vector<int64_t>& size, const std::vector<int64_t>& stride,
+                  int64_t offset) const;
+  // A strong tensor over the whole storage (uint8, 1-D): keeps it alive while held.
+  at::Tensor strong() const;
+
+ private:
+  c10::intrusive_ptr<c10::StorageImpl> lock(const char* what) const;
+  c10::weak_intrusive_ptr<c10::StorageImpl> weak_;
+  uintptr_t key_;
+  size_t nbytes_;
+};
+
+// The StorageImpl address of `t` (the alias-pool key), or 0 when t has no plain storage.
+uintptr_t storage_key(const at::Tensor& t);
+// A new TensorImpl sharing t's storage and view metadata, outside autograd and the dispatcher:
+// what a recipe holds to keep a non-recomputable input's value.
+at::Tensor alias_tensor(const at::Tensor& t);
+
+}  // namespace pymem
