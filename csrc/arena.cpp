@@ -102,8 +102,11 @@ uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double c
     }
     if (!handler_ || tls_handler_depth > 0)
       throw_out_of_budget_locked(nbytes, "no pressure handler can release memory");
-    Window w = search_locked(rounded);
-    if (!w.found) throw_out_of_budget_locked(nbytes, "no releasable window covers the request");
+    Window w;
+    if (mode_.load() != SearchMode::Handler) {
+      w = search_locked(rounded);
+      if (!w.found) throw_out_of_budget_locked(nbytes, "no releasable window covers the request");
+    }
     PressureHandler handler = handler_;
     const uint64_t frees_before = stats_.num_frees;
     lock.unlock();
@@ -139,7 +142,8 @@ void Arena::throw_out_of_budget_locked(size_t nbytes, const char* why) {
 
 Window Arena::search_locked(size_t rounded) {
   const auto t0 = std::chrono::steady_clock::now();
-  Window w = search_window(*main_, rounded, mode_.load());
+  const SearchMode m = mode_.load();
+  Window w = search_window(*main_, rounded, m == SearchMode::Handler ? SearchMode::Window : m);
   stats_.search_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
                           std::chrono::steady_clock::now() - t0).count();
   stats_.num_searches++;

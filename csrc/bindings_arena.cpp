@@ -19,10 +19,13 @@ py::object g_out_of_budget;  // set once by pymem/__init__.py; lives for the pro
 SearchMode parse_mode(const std::string& s) {
   if (s == "window") return SearchMode::Window;
   if (s == "one_at_a_time") return SearchMode::OneAtATime;
-  throw InvalidArgument("search must be 'window' or 'one_at_a_time', got '" + s + "'");
+  if (s == "handler") return SearchMode::Handler;
+  throw InvalidArgument("search must be 'window', 'one_at_a_time' or 'handler', got '" + s + "'");
 }
 
-const char* mode_name(SearchMode m) { return m == SearchMode::Window ? "window" : "one_at_a_time"; }
+const char* mode_name(SearchMode m) {
+  return m == SearchMode::Window ? "window" : m == SearchMode::OneAtATime ? "one_at_a_time" : "handler";
+}
 
 CostClass parse_cost_class(const std::string& s) {
   if (s == "costly") return CostClass::Costly;
@@ -160,7 +163,8 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
   backing: "host" (an mmap'd slab, pages committed on touch) or "virtual" (addresses only, no
   memory: for simulation and tests). Requests <= small_threshold bytes go to a small region at the
   top of the range (small_region bytes; default budget/64, at most 64 MiB) that eviction never scans.
-  search: "window" (Coop's cheapest contiguous window) or "one_at_a_time" (cheapest single block).
+  search: "window" (Coop's cheapest contiguous window), "one_at_a_time" (cheapest single block), or
+  "handler" (no search: the pressure handler chooses alone and gets window=None).
 )doc")
       .def(py::init([](long long budget, const std::string& backing, long long small_threshold,
                        py::object small_region, const std::string& search) {
@@ -216,7 +220,8 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
              holder->fn = std::move(fn);
              a.set_pressure_handler([holder](size_t request, const Window& w) {
                py::gil_scoped_acquire gil;
-               holder->fn(request, py::cast(Window(w)));  // a copy: the handler may keep it
+               // A copy (the handler may keep it); None when the arena did not search (mode "handler").
+               holder->fn(request, w.found ? py::cast(Window(w)) : py::none());
              });
            },
            py::arg("handler"),
@@ -227,6 +232,8 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
       .def("stats", [](const Arena& a) { return stats_dict(a.stats()); })
       .def("reset_peak_memory_stats", &Arena::reset_peak)
       .def("blocks", &Arena::blocks, "Copies of every block, in address order.")
+      .def_property_readonly("num_allocs", [](const Arena& a) { return a.stats().num_allocs; },
+                             "Allocations served so far (cheaper than stats()).")
       .def_property_readonly("base", &Arena::base)
       .def_property_readonly("budget", &Arena::budget)
       .def_property_readonly("small_threshold", &Arena::small_threshold)

@@ -33,7 +33,9 @@ enum class CostClass : uint8_t { Costly = 0, Cheap = 1 };
 
 // How the pressure protocol picks what to release: Coop's contiguous window, or the single
 // cheapest block (what DTR-style runtimes do; kept so benchmarks compare both on one trace).
-enum class SearchMode : uint8_t { Window = 0, OneAtATime = 1 };
+// Window: Coop's cheapest contiguous window; OneAtATime: cheapest single block; Handler: no search
+// under pressure — the handler decides alone (scored policies) and gets an empty window.
+enum class SearchMode : uint8_t { Window = 0, OneAtATime = 1, Handler = 2 };
 
 // Which region of the arena a block lives in.
 enum class RegionKind : uint8_t { Main = 0, Small = 1 };

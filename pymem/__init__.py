@@ -8,6 +8,8 @@ import torch  # noqa: F401  (loads libc10, which _C links against)
 from . import _C
 from ._C import Arena, Block, Victim, Window
 from .errors import OutOfBudgetError
+from .api import (current, disable, enable, evict, is_enabled, is_evicted, max_memory_allocated, memory_stats,
+                  reset_peak_memory_stats)
 
 __version__ = "0.1.0"
 
@@ -32,5 +34,6 @@ def cpu_hook_arena():
     return _C.cpu_hook_arena()
 
 
-__all__ = ["Arena", "Block", "Victim", "Window", "OutOfBudgetError", "install_cpu_hook",
+__all__ = ["enable", "disable", "is_enabled", "current", "memory_stats", "max_memory_allocated",
+           "reset_peak_memory_stats", "evict", "is_evicted", "Arena", "Block", "Victim", "Window", "OutOfBudgetError", "install_cpu_hook",
            "uninstall_cpu_hook", "cpu_hook_arena", "__version__"]

@@ -39,7 +39,7 @@ def test_budget_below_alignment():
 def test_bad_backing_and_search():
     with pytest.raises(ValueError, match="backing must be 'host' or 'virtual'"):
         C.Arena(1 << 20, backing="gpu")
-    with pytest.raises(ValueError, match="search must be 'window' or 'one_at_a_time', got 'best'"):
+    with pytest.raises(ValueError, match="search must be 'window', 'one_at_a_time' or 'handler', got 'best'"):
         C.Arena(1 << 20, search="best")
 
 

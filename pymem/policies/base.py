@@ -23,6 +23,11 @@ class Policy:
     def evaluate(self, t: TensorView, now: float) -> float:
         raise NotImplementedError
 
+    def block_cost(self, t: TensorView, now: float) -> float:
+        """The cost (>= 0) of releasing t's whole block, for the arena's window search, which sums
+        it over address-contiguous blocks. Default: a per-byte score times the bytes."""
+        return max(self.evaluate(t, now), 0.0) * max(t.nbytes, 1)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

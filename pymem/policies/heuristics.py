@@ -36,6 +36,9 @@ class LRU(Policy):
     def evaluate(self, t: TensorView, now: float) -> float:
         return t.last_access
 
+    def block_cost(self, t: TensorView, now: float) -> float:
+        return max(t.last_access, 0.0)
+
 
 @register
 class Size(Policy):
@@ -45,6 +48,9 @@ class Size(Policy):
 
     def evaluate(self, t: TensorView, now: float) -> float:
         return -float(t.nbytes)
+
+    def block_cost(self, t: TensorView, now: float) -> float:
+        return 1.0 / max(t.nbytes, 1)
 
 
 @register
@@ -68,3 +74,6 @@ class Coop(Policy):
 
     def evaluate(self, t: TensorView, now: float) -> float:
         return (t.compute_cost + t.evicted_neighbour_cost) / staleness(t, now)
+
+    def block_cost(self, t: TensorView, now: float) -> float:
+        return self.evaluate(t, now)

@@ -1,0 +1,63 @@
+"""What the runtime must know about an aten op, computed once per OpOverload from its schema and tags."""
+from typing import Dict, List, Tuple
+
+import torch
+
+aten = torch.ops.aten
+
+# Ops whose effect is not a pure function of their tensor arguments, or that change a storage's
+# identity or size: their outputs are never recomputed.
+_NEVER_RECOMPUTE = {
+    aten.set_.source_Storage, aten.set_.source_Storage_storage_offset, aten.set_.source_Tensor, aten.set_.default,
+    aten.resize_.default, aten.resize_as_.default, aten._resize_output_.default, aten.record_stream.default,
+    aten._local_scalar_dense.default, aten.lift_fresh.default, aten.lift_fresh_copy.default,
+}
+_PURE_NAMESPACES = ("aten", "prims")
+
+# In-place ops that overwrite every element of their first argument without reading it: when the
+# mutated view covers the whole storage, the recompute starts from a blank buffer, so the old value
+# (and its recompute chain) is never needed.
+_OVERWRITE_NAMES = {"zero_", "fill_", "normal_", "uniform_", "bernoulli_", "random_", "exponential_",
+                    "geometric_", "cauchy_", "log_normal_", "copy_"}
+
+
+class OpInfo:
+    __slots__ = ("name", "mutated", "seeded", "pure", "overwrites", "fresh_returns")
+
+    def __init__(self, func) -> None:
+        schema = func._schema
+        tags = func.tags
+        self.name = str(func)
+        # (position, name) of arguments the op writes. inplace_view ops (t_, squeeze_, ...) only change
+        # a tensor's view metadata, never storage bytes: records are per storage, so they mutate nothing.
+        self.mutated: List[Tuple[int, str]] = []
+        if torch.Tag.inplace_view not in tags:
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    self.mutated.append((i, a.name))
+        self.seeded = torch.Tag.nondeterministic_seeded in tags
+        self.pure = func.namespace in _PURE_NAMESPACES and func not in _NEVER_RECOMPUTE
+        self.overwrites = schema.name.split("::")[-1] in _OVERWRITE_NAMES and len(self.mutated) == 1
+        self.fresh_returns = any(r.alias_info is None for r in schema.returns)
+
+
+_cache: Dict[object, OpInfo] = {}
+
+
+def op_info(func) -> OpInfo:
+    info = _cache.get(func)
+    if info is None:
+        info = _cache[func] = OpInfo(func)
+    return info
+
+
+def mutated_tensors(info: OpInfo, args, kwargs) -> List[torch.Tensor]:
+    """The tensors the op writes (lists of tensors flattened)."""
+    out = []
+    for pos, name in info.mutated:
+        v = args[pos] if pos < len(args) else kwargs.get(name)
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out

@@ -1,0 +1,118 @@
+"""Records (one per value of an alias pool) and recipes (how to recompute one).
+
+A ``Record`` is one *value* of one storage. It references the storage weakly (``_C.StorageRef``): the
+buffer dies the moment the last user tensor does (eager eviction), while the record lives on as long
+as some recipe still needs its value. An in-place op on a recomputable storage splits its record
+(Coop's recomputable in-place): the old record keeps the old recipe and loses the storage, and a new
+record for the storage gets the in-place op as recipe — so recipes that read the old value stay right.
+
+A ``Recipe`` holds the op, its arguments with tensors replaced by ``Slot``s, and per slot an ``ArgRef``:
+a record (recomputable input: strong ref to the record, weak to its storage), a leaf alias (a strong
+tensor: parameters, inputs), or a blank (an input the op overwrites entirely, so its old value is
+never needed).
+"""
+import itertools
+import weakref
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+_ids = itertools.count(1)
+
+
+class Slot:
+    """Placeholder for the i-th tensor argument in a recipe's argument template."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+class ArgRef:
+    """How a recipe gets one tensor argument back: a view (dtype, size, stride, offset) of a record's
+    value, of a strong leaf alias, or of a blank buffer. ``mutated``: the op writes it, so the
+    recompute must get a private copy."""
+
+    __slots__ = ("rec", "leaf", "dtype", "size", "stride", "offset", "mutated", "blank_nbytes")
+
+    def __init__(self, rec, leaf, t: torch.Tensor, mutated: bool, blank_nbytes: int = 0) -> None:
+        self.rec = rec
+        self.leaf = leaf
+        self.dtype = t.dtype
+        self.size = tuple(t.shape)
+        self.stride = t.stride()
+        self.offset = t.storage_offset()
+        self.mutated = mutated
+        self.blank_nbytes = blank_nbytes
+
+
+class Recipe:
+    """``func(*args, **kwargs)`` with ``Slot``s for tensors; ``out``: ("ret", i) the i-th flat output,
+    or ("arg", slot) the tensor the op mutated in place. ``rng``: (generator, state) for seeded ops."""
+
+    __slots__ = ("func", "args", "kwargs", "refs", "out", "rng", "__weakref__")
+
+    def __init__(self, func, args, kwargs, refs: List[ArgRef], out: Tuple[str, int], rng) -> None:
+        self.func, self.args, self.kwargs, self.refs, self.out, self.rng = func, args, kwargs, refs, out, rng
+
+    def input_records(self):
+        return [a.rec for a in self.refs if a.rec is not None]
+
+
+class Record:
+    """One value of one alias pool; read by policies through the TensorView attributes."""
+
+    __slots__ = ("id", "sref", "nbytes", "compute_cost", "last_access", "recipe", "locks", "evicted",
+                 "in_arena", "children", "lost", "op", "rt", "__weakref__")
+
+    def __init__(self, rt, sref, nbytes: int, cost: float, now: float, recipe: Optional[Recipe], op,
+                 in_arena: bool) -> None:
+        self.id = next(_ids)
+        self.rt = rt
+        self.sref = sref            # _C.StorageRef of the storage holding this value, or None
+        self.nbytes = nbytes
+        self.compute_cost = cost
+        self.last_access = now
+        self.recipe = recipe        # None: a leaf, never evicted
+        self.locks = 0
+        self.evicted = False        # the storage is alive but its buffer was released by us
+        self.in_arena = in_arena
+        self.children: List[Any] = []  # weakrefs to records whose recipes read this value
+        self.lost = None            # why this value can no longer be recomputed (str), if so
+        self.op = op                # name of the producing op, for messages
+
+    # --- TensorView (what policies read) ---
+    @property
+    def evicted_neighbour_cost(self) -> float:
+        return self.rt.neighbourhood.neighbour_cost(self.neighbour_ids())
+
+    @property
+    def evicted_ancestor_cost(self) -> float:
+        total, seen, stack = 0.0, set(), list(self.recipe.input_records()) if self.recipe else []
+        while stack and len(seen) < 64:
+            r = stack.pop()
+            if r.id in seen or self.rt.is_available(r):
+                continue
+            seen.add(r.id)
+            total += r.compute_cost
+            if r.recipe is not None:
+                stack.extend(r.recipe.input_records())
+        return total
+
+    # --- graph ---
+    def neighbour_ids(self) -> List[int]:
+        ids = [r.id for r in self.recipe.input_records()] if self.recipe else []
+        for w in self.children:
+            c = w()
+            if c is not None:
+                ids.append(c.id)
+        return ids
+
+    def add_child(self, child: "Record") -> None:
+        self.children.append(weakref.ref(child))
+
+    def __repr__(self) -> str:
+        state = ("lost" if self.lost else "evicted" if self.evicted else
+                 "leaf" if self.recipe is None else "resident")
+        return f"Record(#{self.id} {self.op} {self.nbytes} B {state})"

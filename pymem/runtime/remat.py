@@ -1,0 +1,203 @@
+"""Rematerialization: make evicted values resident again, with an explicit stack (chains are deep),
+and invalidate recipes whose leaf input is about to be overwritten.
+
+Values recomputed only as inputs of others (their storage is dead: no user tensor holds them) are
+kept in ``rt.cache`` as ordinary evictable values, so restoring a run of neighbours (backward through
+an evicted region) does not recompute the shared chain again for each one.
+"""
+import time
+from typing import Iterable, List
+
+import torch
+
+from .. import _C
+from .records import Record, Slot
+
+_THRASH_LIMIT = 1_000_000  # deepest recompute chain we follow
+
+
+def restore(rt, records: Iterable[Record]) -> None:
+    """Make every record resident in its own storage (recomputing what is missing)."""
+    for r in records:
+        if not rt.is_available(r):
+            _build(rt, r)
+
+
+def _build(rt, target: Record) -> None:
+    """Recompute ``target`` and whatever it needs, depth first on an explicit stack.
+
+    Progress guarantee: while a record waits on the stack, its inputs that are already available are
+    locked for it, so the pressure handler cannot release them before it is recomputed. Every
+    recompute makes progress, or the budget is too small and the allocation raises OutOfBudgetError.
+    """
+    stack: List[Record] = [target]
+    held = {}  # record id -> (set of locked input ids, list of locked inputs)
+    try:
+        while stack:
+            r = stack[-1]
+            if rt.is_available(r):
+                stack.pop()
+                _unlock(held.pop(r.id, None))
+                continue
+            if r.recipe is None:
+                raise RuntimeError(f"pymem: {r.op} output ({r.nbytes} B) is needed again but cannot be "
+                                   f"recomputed: {r.lost or 'it has no recipe and its storage is gone'}")
+            inputs = r.recipe.input_records()
+            h = held.get(r.id)
+            if h is None:
+                h = held[r.id] = (set(), [])
+            missing = []
+            for a in inputs:
+                if rt.is_available(a):
+                    if a.id not in h[0]:
+                        h[0].add(a.id)
+                        h[1].append(a)
+                        a.locks += 1
+                elif a.id not in h[0]:
+                    missing.append(a)
+            if missing:
+                if len(stack) > _THRASH_LIMIT:
+                    raise RuntimeError(f"pymem: the recompute chain of {r.op} is deeper than {_THRASH_LIMIT}")
+                stack.extend(missing)
+                continue
+            stack.pop()
+            _recompute(rt, r)
+            _unlock(held.pop(r.id, None))
+    finally:
+        for h in held.values():
+            _unlock(h)
+
+
+def _unlock(h) -> None:
+    if h:
+        for a in h[1]:
+            a.locks -= 1
+
+
+class _Base:
+    """A storage to cut argument views from; ``keep`` holds a private copy alive."""
+
+    __slots__ = ("sref", "keep")
+
+    def __init__(self, sref, keep=None) -> None:
+        self.sref, self.keep = sref, keep
+
+
+def _base_of(rt, rec: Record, private: bool) -> _Base:
+    cached = rt.cache.get(rec)
+    if cached is not None:
+        if private:  # the op will write it: take it out of the cache so no one else reads the result
+            rt.drop_cached(rec)
+        return _Base(cached[0], cached[1])
+    if private:  # a resident value the op would write: work on a copy
+        copy = rec.sref.strong().clone()
+        return _Base(_C.StorageRef(copy), copy)
+    return _Base(rec.sref)
+
+
+def _fill(template, tensors):
+    if isinstance(template, Slot):
+        return tensors[template.i]
+    if isinstance(template, (list, tuple)):
+        return type(template)(_fill(x, tensors) for x in template)
+    if isinstance(template, dict):
+        return {k: _fill(v, tensors) for k, v in template.items()}
+    return template
+
+
+def _recompute(rt, r: Record) -> None:
+    rc = r.recipe
+    locked = rc.input_records()
+    for rec in locked:
+        rec.locks += 1
+    try:
+        bases = {}
+        tensors = []
+        for a in rc.refs:
+            if a.rec is not None:
+                b = bases.get(a.rec.id)
+                if b is None:
+                    private = any(x.mutated and x.rec is a.rec for x in rc.refs)
+                    b = bases[a.rec.id] = _base_of(rt, a.rec, private)
+                tensors.append(b.sref.view(a.dtype, a.size, a.stride, a.offset))
+            elif a.leaf is not None:
+                tensors.append(a.leaf.clone() if a.mutated else a.leaf)
+            else:  # blank: the op overwrites every byte
+                buf = torch.empty(a.blank_nbytes, dtype=torch.uint8, device=rt.device)
+                tensors.append(_C.StorageRef(buf).view(a.dtype, a.size, a.stride, a.offset))
+        args, kwargs = _fill(rc.args, tensors), _fill(rc.kwargs, tensors)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if rc.rng is not None:
+                gen, state = rc.rng
+                saved = gen.get_state()
+                gen.set_state(state)
+                try:
+                    out = rc.func(*args, **kwargs)
+                finally:
+                    gen.set_state(saved)
+            else:
+                out = rc.func(*args, **kwargs)
+        rt.stats_remat(time.perf_counter() - t0)
+    finally:
+        for rec in locked:
+            rec.locks -= 1
+    kind, i = rc.out
+    result = tensors[i] if kind == "arg" else (out if isinstance(out, torch.Tensor) else _flat(out)[i])
+    sref = r.sref
+    if sref is not None and r.evicted and sref.alive:
+        sref.adopt(result)
+        r.evicted = False
+        rt.on_rematerialized(r)
+    else:
+        ref = _C.StorageRef(result)
+        if ref.nbytes != r.nbytes:
+            raise RuntimeError(f"pymem: recomputing {r.op} gave {ref.nbytes} B, the original held {r.nbytes} B")
+        rt.add_cached(r, ref, result)
+
+
+def _flat(out) -> List:
+    flat = []
+    for x in out:
+        if isinstance(x, (list, tuple)):
+            flat.extend(x)
+        else:
+            flat.append(x)
+    return flat
+
+
+def invalidate_dependents(rt, leaf: Record, why: str) -> None:
+    """``leaf`` (no recipe) is about to be written in place: every recipe that read its old value,
+    directly or through other recipes, becomes invalid. Values whose storage is still alive are made
+    resident first (from the still-valid inputs) and become leaves; the rest are marked lost."""
+    closure: List[Record] = []
+    seen = set()
+    stack = [w() for w in leaf.children]
+    leaf.children = []
+    while stack:
+        r = stack.pop()
+        if r is None or r.id in seen or r.recipe is None:
+            continue
+        seen.add(r.id)
+        closure.append(r)
+        stack.extend(w() for w in r.children)
+    if not closure:
+        return
+    pending = [r for r in closure if r.evicted and r.sref is not None and r.sref.alive]
+    held = []
+    try:
+        for r in pending:  # restore one at a time and hold it, so later restores cannot evict it
+            restore(rt, [r])
+            r.locks += 1
+            held.append(r)
+    finally:
+        for r in held:
+            r.locks -= 1
+    for r in closure:
+        if r in rt.cache:
+            rt.drop_cached(r)
+        r.recipe = None
+        r.children = []
+        if not rt.is_available(r):
+            r.lost = why
+        rt.neighbourhood_forget(r)

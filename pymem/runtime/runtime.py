@@ -1,0 +1,369 @@
+"""The runtime: one arena of exactly ``budget`` bytes as the device allocator, and a lean
+TorchDispatchMode that records every aten op's outputs, restores evicted inputs before an op runs,
+and lets the policy release values when the arena is under pressure."""
+import time
+from typing import Dict, List, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import _C
+from ..errors import OutOfBudgetError
+from ..policies import EvictedNeighbourhood, Policy, get_policy
+from . import remat
+from .ops import mutated_tensors, op_info
+from .pressure import PressureHandler
+from .records import ArgRef, Recipe, Record, Slot
+
+_Tensor = torch.Tensor
+_storage_key = _C.storage_key
+_StorageRef = _C.StorageRef
+_alias = _C.alias_tensor
+_perf = time.perf_counter
+_grad_enabled = torch.is_grad_enabled
+_graph_task_id = torch._C._current_graph_task_id
+_SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its recipe up to this size
+
+
+def _gather(args, kwargs) -> List[_Tensor]:
+    out = []
+    for a in args:
+        if isinstance(a, _Tensor):
+            out.append(a)
+        elif a.__class__ is list or a.__class__ is tuple:
+            for x in a:
+                if isinstance(x, _Tensor):
+                    out.append(x)
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, _Tensor):
+                out.append(a)
+            elif a.__class__ is list or a.__class__ is tuple:
+                for x in a:
+                    if isinstance(x, _Tensor):
+                        out.append(x)
+    return out
+
+
+def _template(value, counter: List[int]):
+    """The argument structure with each tensor replaced by a Slot (same order as _gather)."""
+    if isinstance(value, _Tensor):
+        counter[0] += 1
+        return Slot(counter[0] - 1)
+    if value.__class__ is list or value.__class__ is tuple:
+        return type(value)(_template(x, counter) for x in value)
+    return value
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, rt: "Runtime") -> None:
+        super().__init__()
+        self.rt = rt
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.rt.run_op(func, args, kwargs)
+
+
+class Runtime:
+    """State of one ``pymem.enable``: arena, records, policy, statistics."""
+
+    def __init__(self, budget: int, policy="dtr", device: str = "cpu") -> None:
+        if device != "cpu":
+            raise ValueError(f"device {device!r} is not supported by this runtime yet; accepted: 'cpu'")
+        self.device = torch.device(device)
+        self.policy: Policy = policy if isinstance(policy, Policy) else get_policy(policy)
+        budget -= budget % _C.ALIGNMENT  # the arena's granularity; rounding down keeps the cap hard
+        # The handler decides what to release (it refreshes block owners before any window search).
+        self.arena = _C.Arena(budget, backing="host", search="handler")
+        self.budget = budget
+        self.lo, self.hi = self.arena.base, self.arena.base + budget
+        self._small = self.arena.small_threshold
+        self.neighbourhood = EvictedNeighbourhood()
+        self.table: Dict[int, Record] = {}   # storage key -> record of the storage's current value
+        # Values recomputed only as inputs (no storage of their own): record -> (StorageRef, tensor).
+        self.cache: Dict[Record, tuple] = {}
+        self.clock = 0.0
+        self._sweep_at = 4096
+        self.num_ops = 0
+        self.num_evictions = 0
+        self.evicted_bytes = 0
+        self.num_rematerializations = 0
+        self.remat_seconds = 0.0
+        self.num_invalidations = 0
+        self.arena.set_pressure_handler(PressureHandler(self))
+        self.mode: Optional[_Mode] = None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        _C.install_cpu_hook(self.arena)
+        self.mode = _Mode(self)
+        self.mode.__enter__()
+
+    def stop(self) -> None:
+        """Leave the mode, give PyTorch its allocator back, restore every evicted value."""
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+        _C.uninstall_cpu_hook()
+        self.arena.set_pressure_handler(None)
+        evicted = [r for r in self.table.values() if r.evicted and r.sref.alive]
+        remat.restore(self, evicted)
+        self.table.clear()
+        self.cache.clear()
+
+    # ------------------------------------------------------------------ records
+    def _new_record(self, t: _Tensor, key: int, cost: float, recipe, op: str) -> Record:
+        sref = _StorageRef(t)
+        ptr = sref.data_ptr
+        in_arena = self.lo <= ptr < self.hi and sref.nbytes > self._small
+        r = Record(self, sref, sref.nbytes, cost, self.clock, recipe, op, in_arena)
+        table = self.table
+        table[key] = r
+        if len(table) > self._sweep_at:
+            self.sweep()
+        return r
+
+    def sweep(self) -> None:
+        """Drop table entries whose storage died (their records live on only if a recipe needs them);
+        those values count as evicted for DTR's neighbourhood from now on."""
+        table = self.table  # mutated in place: run_op holds a reference across the op
+        dead = [k for k, r in table.items() if not r.sref.alive]
+        for k in dead:
+            r = table.pop(k)
+            if r.recipe is not None:
+                self.mark_gone(r)
+        self._sweep_at = max(4096, 2 * len(table))
+
+    def record_of(self, t: _Tensor) -> Optional[Record]:
+        key = _storage_key(t)
+        r = self.table.get(key)
+        if r is None and key:
+            r = self._new_record(t, key, 0.0, None, "leaf")
+        return r
+
+    def is_available(self, r: Record) -> bool:
+        if r in self.cache:
+            return True
+        s = r.sref
+        return s is not None and not r.evicted and s.alive
+
+    # ------------------------------------------------------------------ release / restore
+    def release(self, r: Record) -> None:
+        """Free one value's buffer now (it stays recomputable)."""
+        if r in self.cache:
+            self.evicted_bytes += r.nbytes
+            self.drop_cached(r)
+        else:
+            self.evicted_bytes += r.sref.evict()
+            r.evicted = True
+        self.num_evictions += 1
+        self.mark_gone(r)
+
+    def mark_gone(self, r: Record) -> None:
+        """r's value left memory (evicted, or its last tensor died): it joins DTR's evicted neighbourhood."""
+        if self.policy.uses_neighbourhood and not self.neighbourhood.is_evicted(r.id):
+            self.neighbourhood.on_evict(r.id, r.compute_cost, r.neighbour_ids())
+
+    def add_cached(self, r: Record, sref, tensor) -> None:
+        r.last_access = self.clock
+        self.cache[r] = (sref, tensor)
+        self.neighbourhood_forget(r)
+
+    def drop_cached(self, r: Record) -> None:
+        del self.cache[r]
+
+    def on_rematerialized(self, r: Record) -> None:
+        r.last_access = self.clock
+        if self.neighbourhood.is_evicted(r.id):
+            self.neighbourhood.on_rematerialize(r.id)
+
+    def neighbourhood_forget(self, r: Record) -> None:
+        if self.neighbourhood.is_evicted(r.id):
+            self.neighbourhood.on_rematerialize(r.id)
+
+    def stats_remat(self, seconds: float) -> None:
+        self.num_rematerializations += 1
+        self.remat_seconds += seconds
+
+    def evict(self, t: _Tensor) -> None:
+        """Evict ``t``'s storage now (testing and explicit use); it is recomputed on next use."""
+        r = self.table.get(_storage_key(t))
+        if r is None or r.recipe is None:
+            raise ValueError("pymem.evict: this tensor has no recipe (a leaf, or made outside pymem): "
+                             "it cannot be evicted")
+        if r.locks:
+            raise ValueError("pymem.evict: this tensor is an input of a running op")
+        if not r.evicted:
+            self.release(r)
+
+    def is_evicted(self, t: _Tensor) -> bool:
+        r = self.table.get(_storage_key(t))
+        return r is not None and r.evicted
+
+    # ------------------------------------------------------------------ the hot path
+    def run_op(self, func, args, kwargs):
+        info = op_info(func)
+        if kwargs is None:
+            kwargs = {}
+        ins = _gather(args, kwargs)
+        recs = []
+        managed = True
+        table = self.table
+        for t in ins:
+            if not t.is_cpu:
+                managed = False
+                recs.append(None)
+                continue
+            key = _storage_key(t)
+            r = table.get(key)
+            if r is None:
+                if not key:
+                    managed = False
+                    recs.append(None)
+                    continue
+                r = self._new_record(t, key, 0.0, None, "leaf")
+            recs.append(r)
+            r.locks += 1
+        try:
+            evicted = [r for r in recs if r is not None and r.evicted]
+            if evicted:
+                remat.restore(self, evicted)
+            # State updates (optimizer steps, parameter init, running averages) run under no_grad
+            # outside the autograd engine: their outputs are state, never recomputed (they are the
+            # leaves of the next step), so no recipe chain can grow from one step to the next.
+            recomputable = managed and info.pure and (_grad_enabled() or _graph_task_id() != -1)
+            snapshots = None
+            mut_recs = mut_slots = None
+            if info.mutated:
+                mut_ids = {id(t) for t in mutated_tensors(info, args, kwargs)}
+                mut_recs = {}
+                mut_slots = set()
+                for j, t in enumerate(ins):
+                    if id(t) in mut_ids and recs[j] is not None:
+                        mut_slots.add(j)
+                        mut_recs.setdefault(recs[j].id, (recs[j], j))
+                for r, j in mut_recs.values():
+                    if r.recipe is None:
+                        if r.children:
+                            self.num_invalidations += 1
+                            remat.invalidate_dependents(self, r, f"{info.name} overwrote an input of its recipe")
+                        shared = any(recs[k] is r and k not in mut_slots for k in range(len(ins)))
+                        if recomputable and info.fresh_returns and r.nbytes <= _SNAPSHOT_LIMIT and not shared:
+                            if snapshots is None:
+                                snapshots = {}
+                            snapshots[j] = ins[j].clone()
+                        else:
+                            recomputable = False
+            rng = None
+            if recomputable and info.seeded:
+                gen = kwargs.get("generator") or torch.default_generator
+                rng = (gen, gen.get_state())
+            t0 = _perf()
+            try:
+                out = func(*args, **kwargs)
+            except OutOfBudgetError as e:
+                raise self._op_error(info.name, recs, e) from None
+            cost = _perf() - t0
+        finally:
+            for r in recs:
+                if r is not None:
+                    r.locks -= 1
+        self.num_ops += 1
+        self.clock += cost
+        now = self.clock
+        for r in recs:
+            if r is not None:
+                r.last_access = now
+
+        refs = targs = tkw = None
+        if recomputable and (mut_recs or info.fresh_returns):
+            refs = self._refs(info, ins, recs, mut_slots, snapshots)
+            counter = [0]
+            targs = _template(args, counter)
+            tkw = {k: _template(v, counter) for k, v in kwargs.items()}
+        if mut_recs:
+            if len(mut_recs) > 1:
+                refs = None  # multi-tensor in-place (foreach): each recompute would redo all of them
+            for r, j in mut_recs.values():
+                if r.recipe is None:
+                    continue  # a leaf stays a leaf
+                recipe = Recipe(func, targs, tkw, refs, ("arg", j), rng) if refs is not None else None
+                new = Record(self, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
+                r.sref = None  # r is now the old value: no storage, still recomputable by its recipe
+                table[_storage_key(ins[j])] = new
+                if recipe is not None:
+                    for a in refs:
+                        if a.rec is not None:
+                            a.rec.add_child(new)
+
+        # Outputs: views of known storages just get touched; fresh storages get a record.
+        if isinstance(out, _Tensor):
+            outs = (out,)
+        elif out.__class__ is tuple or out.__class__ is list:
+            outs = remat._flat(out)
+        else:
+            return out
+        for i, o in enumerate(outs):
+            if not isinstance(o, _Tensor) or not o.is_cpu:
+                continue
+            key = _storage_key(o)
+            if not key:
+                continue
+            r = table.get(key)
+            if r is not None:
+                r.last_access = now
+                continue
+            recipe = None
+            if refs is not None:
+                recipe = Recipe(func, targs, tkw, refs, ("ret", i), rng)
+            new = self._new_record(o, key, cost, recipe, info.name)
+            if recipe is not None:
+                for a in refs:
+                    if a.rec is not None:
+                        a.rec.add_child(new)
+        return out
+
+    def _refs(self, info, ins, recs, mut_slots, snapshots) -> List[ArgRef]:
+        """How the recipe gets each tensor argument back (see ArgRef)."""
+        refs = []
+        for j, t in enumerate(ins):
+            r = recs[j]
+            if snapshots is not None and j in snapshots:
+                refs.append(ArgRef(None, _alias(snapshots[j]), t, True))
+            elif r is None or r.recipe is None:
+                refs.append(ArgRef(None, _alias(t), t, False))
+            elif mut_slots is not None and j in mut_slots:
+                if info.overwrites and t.is_contiguous() and t.storage_offset() == 0 and \
+                        t.numel() * t.element_size() == r.nbytes:
+                    refs.append(ArgRef(None, None, t, True, blank_nbytes=r.nbytes))
+                else:
+                    refs.append(ArgRef(r, None, t, True))
+            else:
+                refs.append(ArgRef(r, None, t, False))
+        return refs
+
+    def _op_error(self, name: str, recs, e: OutOfBudgetError) -> OutOfBudgetError:
+        held = sum(r.nbytes for r in {id(r): r for r in recs if r is not None}.values())
+        err = OutOfBudgetError(
+            f"pymem: {name} needs {getattr(e, 'requested', 0)} B more while its inputs ({held} B) are held, "
+            f"but the budget is {self.budget} B and nothing else can be released "
+            f"(allocated {getattr(e, 'allocated', 0)} B, largest free block "
+            f"{getattr(e, 'largest_free_block', 0)} B). Raise the budget. Cause: {e}")
+        for k in ("requested", "budget", "allocated", "pinned_bytes", "largest_free_block"):
+            setattr(err, k, getattr(e, k, None))
+        err.op = name
+        return err
+
+    # ------------------------------------------------------------------ stats
+    def memory_stats(self) -> dict:
+        s = self.arena.stats()
+        s.update({
+            "num_ops": self.num_ops,
+            "num_evictions": self.num_evictions,
+            "evicted_bytes": self.evicted_bytes,
+            "num_rematerializations": self.num_rematerializations,
+            "remat_seconds": self.remat_seconds,
+            "num_invalidations": self.num_invalidations,
+            "num_records": len(self.table),
+        })
+        return s
