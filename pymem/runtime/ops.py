@@ -14,6 +14,15 @@ _NEVER_RECOMPUTE = {
 }
 _PURE_NAMESPACES = ("aten", "prims")
 
+# Ops that write arguments their schema does not mark as written: the legacy batch norms update
+# running_mean and running_var (positions 3 and 4) in training mode.
+_HIDDEN_WRITES = {
+    aten.native_batch_norm.default: [(3, "running_mean"), (4, "running_var")],
+}
+for _name in ("cudnn_batch_norm", "miopen_batch_norm"):
+    if hasattr(aten, _name):
+        _HIDDEN_WRITES[getattr(aten, _name).default] = [(3, "running_mean"), (4, "running_var")]
+
 # In-place ops that overwrite every element of their first argument without reading it: when the
 # mutated view covers the whole storage, the recompute starts from a blank buffer, so the old value
 # (and its recompute chain) is never needed.
@@ -35,6 +44,7 @@ class OpInfo:
             for i, a in enumerate(schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write:
                     self.mutated.append((i, a.name))
+        self.mutated.extend(_HIDDEN_WRITES.get(func, ()))
         self.seeded = torch.Tag.nondeterministic_seeded in tags
         self.pure = func.namespace in _PURE_NAMESPACES and func not in _NEVER_RECOMPUTE
         self.overwrites = schema.name.split("::")[-1] in _OVERWRITE_NAMES and len(self.mutated) == 1

@@ -282,12 +282,13 @@ class Runtime:
             targs = _template(args, counter)
             tkw = {k: _template(v, counter) for k, v in kwargs.items()}
         if mut_recs:
-            if len(mut_recs) > 1:
-                refs = None  # multi-tensor in-place (foreach): each recompute would redo all of them
+            # Several storages written by one op (foreach, BatchNorm's running stats): recomputing one
+            # would redo them all, so the written values become leaves; fresh outputs stay recomputable.
+            in_place_refs = refs if len(mut_recs) == 1 else None
             for r, j in mut_recs.values():
                 if r.recipe is None:
                     continue  # a leaf stays a leaf
-                recipe = Recipe(func, targs, tkw, refs, ("arg", j), rng) if refs is not None else None
+                recipe = Recipe(func, targs, tkw, refs, ("arg", j), rng) if in_place_refs is not None else None
                 new = Record(self, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
                 r.sref = None  # r is now the old value: no storage, still recomputable by its recipe
                 table[_storage_key(ins[j])] = new

@@ -1,0 +1,152 @@
+"""The runtime's contract on small cases: Coop's in-place check, RNG replay, BatchNorm state never
+re-run, shape queries never restore, the too-small-budget error, disable() restoring everything."""
+import pytest
+import torch
+
+import pymem
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def managed():
+    yield
+    pymem.disable()
+
+
+def test_coop_recomputable_in_place(managed):
+    pymem.enable(64 * MiB)
+    x1 = torch.ones(100_000)
+    x2 = x1 * -2
+    x3 = x2 - 2
+    x2.relu_()
+    pymem.evict(x3)
+    assert pymem.is_evicted(x3)
+    assert torch.equal(x3, torch.full((100_000,), -4.0))  # from x2's value before relu_
+    pymem.evict(x2)
+    assert torch.equal(x2, torch.zeros(100_000))  # relu_ of -2
+    assert pymem.memory_stats()["num_rematerializations"] >= 2
+
+
+def test_views_share_the_pool_and_shape_queries_never_restore(managed):
+    pymem.enable(64 * MiB)
+    a = torch.arange(60_000, dtype=torch.float32)
+    b = (a * 3).view(300, 200)
+    t = b.t()
+    ref = t.clone()
+    pymem.evict(b)
+    assert pymem.is_evicted(t)  # a view of the same storage
+    assert t.shape == (200, 300) and t.stride() == (1, 200) and t.dtype == torch.float32
+    assert pymem.is_evicted(b)  # the queries above did not restore it
+    assert torch.equal(t[5], ref[5])
+    assert not pymem.is_evicted(b)
+
+
+def test_dropout_recomputes_with_its_original_rng_state(managed):
+    pymem.enable(64 * MiB)
+    torch.manual_seed(0)
+    x = torch.ones(50_000)
+    y = torch.nn.functional.dropout(x, 0.5, training=True)
+    ref = y.clone()
+    torch.rand(1000)  # move the generator on
+    pymem.evict(y)
+    assert torch.equal(y, ref)
+
+
+def test_batchnorm_recompute_does_not_touch_running_stats(managed):
+    pymem.enable(64 * MiB)
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(8)
+    x = torch.randn(512, 8) * 3 + 1
+    h = x * 2
+    y = bn(h)
+    ref, mean, var = y.clone(), bn.running_mean.clone(), bn.running_var.clone()
+    pymem.evict(y)
+    assert torch.equal(y, ref)
+    assert torch.equal(bn.running_mean, mean) and torch.equal(bn.running_var, var)
+
+
+def test_backward_accepts_restored_saved_tensors(managed):
+    pymem.enable(64 * MiB)
+    torch.manual_seed(0)
+    w = torch.randn(256, 256, requires_grad=True)
+    x = torch.randn(64, 256)
+    h = torch.tanh(x @ w)  # tanh saves its output
+    pymem.evict(h)
+    h.sum().backward()
+    g = w.grad.clone()
+    pymem.disable()
+    w2 = w.detach().clone().requires_grad_()
+    torch.tanh(x @ w2).sum().backward()
+    assert torch.equal(g, w2.grad)
+
+
+def test_budget_too_small_names_the_op_and_keeps_tensors_valid(managed):
+    pymem.enable(4 * MiB)
+    a = torch.ones(256, 1024)  # 1 MiB each
+    b = a + 1
+    c = b * 2
+    pymem.evict(c)
+    with pytest.raises(pymem.OutOfBudgetError, match=r"aten\.cat\.default needs 3145728 B more while its "
+                                                    r"inputs \(2097152 B\) are held") as info:
+        torch.cat([a, b, a])  # 3 MiB out + 2 MiB of inputs > 4 MiB
+    assert info.value.op == "aten.cat.default" and info.value.requested == 3 * MiB
+    assert isinstance(info.value, torch.OutOfMemoryError)
+    pymem.disable()  # restores c with PyTorch's own allocator
+    assert torch.equal(c, torch.full((256, 1024), 4.0))
+    assert torch.equal(b, torch.full((256, 1024), 2.0))
+
+
+def test_evicted_inputs_of_a_failed_op_stay_valid(managed):
+    pymem.enable(4 * MiB)
+    a = torch.ones(256, 1024)
+    b = a * 3
+    pymem.evict(b)
+    with pytest.raises(pymem.OutOfBudgetError):
+        torch.cat([b, b, b, b, b])
+    assert torch.equal(b, torch.full((256, 1024), 3.0))
+
+
+def test_enable_errors(managed):
+    with pytest.raises(ValueError, match="unknown policy 'best'; accepted: coop, dtr"):
+        pymem.enable(MiB, policy="best")
+    with pytest.raises(ValueError, match="device 'cuda' is not supported"):
+        pymem.enable(MiB, device="cuda")
+    with pytest.raises(ValueError, match="budget must be an int number of bytes, got '1GB'"):
+        pymem.enable("1GB")
+    pymem.enable(MiB)
+    with pytest.raises(RuntimeError, match="already enabled"):
+        pymem.enable(MiB)
+    assert pymem.is_enabled()
+    pymem.disable()
+    assert not pymem.is_enabled()
+
+
+def test_leaves_are_never_evicted(managed):
+    pymem.enable(64 * MiB)
+    p = torch.nn.Parameter(torch.randn(100, 100))  # made under no_grad-free code, but a Parameter's init
+    with torch.no_grad():
+        p.mul_(2)  # a state update: p is a leaf from now on
+    with pytest.raises(ValueError, match="has no recipe"):
+        pymem.evict(p)
+
+
+@pytest.mark.parametrize("policy", ["dtr", "dtr-local", "lru", "size", "msps", "coop"])
+def test_every_policy_keeps_a_chain_bitwise_equal_under_pressure(managed, policy):
+    def chain():
+        torch.manual_seed(0)
+        w = torch.randn(128, 128, requires_grad=True)
+        x = torch.randn(512, 128)
+        for _ in range(12):
+            x = torch.tanh(x @ w)
+        x.sum().backward()
+        return w.grad.clone()
+
+    ref = chain()
+    pymem.enable(3 * MiB, policy=policy)  # 12 saved 256 KiB activations and more do not fit
+    got = chain()
+    stats = pymem.memory_stats()
+    pymem.disable()
+    assert torch.equal(ref, got)
+    assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0
+    assert stats["allocated_bytes.peak"] <= stats["budget_bytes"]
