@@ -14,31 +14,34 @@ c10::StorageImpl* impl(const at::Tensor& t, const char* what) {
 }
 }  // namespace
 
-size_t evict_storage(const at::Tensor& t) {
-  c10::StorageImpl* s = impl(t, "evict_storage");
+// Replacing the DataPtr destroys the old one, which frees the buffer through its deleter.
+static size_t evict_impl(c10::StorageImpl* s, const char* what) {
   const size_t n = s->nbytes();
-  TORCH_CHECK(n > 0 && s->data_ptr().get() != nullptr,
-              "pymem.evict_storage: the storage holds no bytes (already evicted, or empty)");
-  // Replacing the DataPtr destroys the old one, which frees the buffer through its deleter.
+  TORCH_CHECK(n > 0 && s->data_ptr().get() != nullptr, "pymem.", what,
+              ": the storage holds no bytes (already evicted, or empty)");
   s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
   s->set_nbytes(0);
   return n;
 }
 
-void adopt_storage(const at::Tensor& dst, const at::Tensor& src, size_t nbytes) {
-  c10::StorageImpl* d = impl(dst, "adopt_storage");
-  c10::StorageImpl* s = impl(src, "adopt_storage");
-  TORCH_CHECK(d != s, "pymem.adopt_storage: source and destination share one storage");
-  TORCH_CHECK(d->nbytes() == 0 && d->data_ptr().get() == nullptr,
-              "pymem.adopt_storage: the destination storage is not evicted (it holds ", d->nbytes(), " bytes)");
-  TORCH_CHECK(s->nbytes() == nbytes, "pymem.adopt_storage: the recomputed storage holds ", s->nbytes(),
+static void adopt_impl(c10::StorageImpl* d, c10::StorageImpl* s, size_t nbytes, const char* what) {
+  TORCH_CHECK(d != s, "pymem.", what, ": source and destination share one storage");
+  TORCH_CHECK(d->nbytes() == 0 && d->data_ptr().get() == nullptr, "pymem.", what,
+              ": the destination storage is not evicted (it holds ", d->nbytes(), " bytes)");
+  TORCH_CHECK(s->nbytes() == nbytes, "pymem.", what, ": the recomputed storage holds ", s->nbytes(),
               " bytes, the evicted one held ", nbytes);
-  TORCH_CHECK(s->device() == d->device(), "pymem.adopt_storage: the recomputed storage is on ", s->device(),
+  TORCH_CHECK(s->device() == d->device(), "pymem.", what, ": the recomputed storage is on ", s->device(),
               ", the evicted one on ", d->device());
   c10::DataPtr buf = s->set_data_ptr(c10::DataPtr(nullptr, s->device()));
   s->set_nbytes(0);
   d->set_data_ptr_noswap(std::move(buf));
   d->set_nbytes(nbytes);
+}
+
+size_t evict_storage(const at::Tensor& t) { return evict_impl(impl(t, "evict_storage"), "evict_storage"); }
+
+void adopt_storage(const at::Tensor& dst, const at::Tensor& src, size_t nbytes) {
+  adopt_impl(impl(dst, "adopt_storage"), impl(src, "adopt_storage"), nbytes, "adopt_storage");
 }
 
 bool storage_is_evicted(const at::Tensor& t) {
@@ -87,29 +90,10 @@ uintptr_t StorageRef::data_ptr() const {
   return s ? reinterpret_cast<uintptr_t>(s->data_ptr().get()) : 0;
 }
 
-size_t StorageRef::evict() {
-  auto s = lock("evict");
-  const size_t n = s->nbytes();
-  TORCH_CHECK(n > 0 && s->data_ptr().get() != nullptr, "pymem.StorageRef.evict: the storage holds no bytes");
-  s->set_data_ptr_noswap(c10::DataPtr(nullptr, s->device()));
-  s->set_nbytes(0);
-  return n;
-}
+size_t StorageRef::evict() { return evict_impl(lock("evict").get(), "StorageRef.evict"); }
 
 void StorageRef::adopt(const at::Tensor& src) {
-  auto d = lock("adopt");
-  c10::StorageImpl* s = impl(src, "StorageRef.adopt");
-  TORCH_CHECK(d.get() != s, "pymem.StorageRef.adopt: source and destination share one storage");
-  TORCH_CHECK(d->nbytes() == 0 && d->data_ptr().get() == nullptr,
-              "pymem.StorageRef.adopt: the destination is not evicted (it holds ", d->nbytes(), " bytes)");
-  TORCH_CHECK(s->nbytes() == nbytes_, "pymem.StorageRef.adopt: the recomputed storage holds ", s->nbytes(),
-              " bytes, the evicted one held ", nbytes_);
-  TORCH_CHECK(s->device() == d->device(), "pymem.StorageRef.adopt: the recomputed storage is on ", s->device(),
-              ", the evicted one on ", d->device());
-  c10::DataPtr buf = s->set_data_ptr(c10::DataPtr(nullptr, s->device()));
-  s->set_nbytes(0);
-  d->set_data_ptr_noswap(std::move(buf));
-  d->set_nbytes(nbytes_);
+  adopt_impl(lock("adopt").get(), impl(src, "StorageRef.adopt"), nbytes_, "StorageRef.adopt");
 }
 
 at::Tensor StorageRef::view(at::ScalarType dtype, const std::vector<int64_t>& size,

@@ -25,23 +25,22 @@ _graph_task_id = torch._C._current_graph_task_id
 _SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its recipe up to this size
 
 
-def _gather(args, kwargs) -> List[_Tensor]:
-    out = []
-    for a in args:
+def _collect(values, out: List[_Tensor]) -> None:
+    for a in values:
         if isinstance(a, _Tensor):
             out.append(a)
         elif a.__class__ is list or a.__class__ is tuple:
             for x in a:
                 if isinstance(x, _Tensor):
                     out.append(x)
+
+
+def _gather(args, kwargs) -> List[_Tensor]:
+    """Tensor arguments in order (one level of lists: cat, foreach); no pytree on the hot path."""
+    out: List[_Tensor] = []
+    _collect(args, out)
     if kwargs:
-        for a in kwargs.values():
-            if isinstance(a, _Tensor):
-                out.append(a)
-            elif a.__class__ is list or a.__class__ is tuple:
-                for x in a:
-                    if isinstance(x, _Tensor):
-                        out.append(x)
+        _collect(kwargs.values(), out)
     return out
 
 
