@@ -150,3 +150,18 @@ def test_every_policy_keeps_a_chain_bitwise_equal_under_pressure(managed, policy
     assert torch.equal(ref, got)
     assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0
     assert stats["allocated_bytes.peak"] <= stats["budget_bytes"]
+
+
+def test_overwriting_a_leaf_keeps_evicted_dependents_right(managed):
+    w = torch.rand(1 << 16)  # made before enable: no recipe, like a parameter
+    pymem.enable(64 * MiB)
+    y = w * 2
+    want = y.clone()
+    pymem.evict(y)
+    w.add_(1.0)  # what optimizer.step() does to a parameter
+    assert torch.equal(y, want)
+    z = w * 3
+    pymem.evict(z)
+    with torch.no_grad():
+        w.mul_(2)
+    assert torch.equal(z, (w / 2) * 3)

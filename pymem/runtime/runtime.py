@@ -292,9 +292,7 @@ class Runtime:
                 r.sref = None  # r is now the old value: no storage, still recomputable by its recipe
                 table[_storage_key(ins[j])] = new
                 if recipe is not None:
-                    for a in refs:
-                        if a.rec is not None:
-                            a.rec.add_child(new)
+                    self._link(recs, new)
 
         # Outputs: views of known storages just get touched; fresh storages get a record.
         if isinstance(out, _Tensor):
@@ -318,10 +316,18 @@ class Runtime:
                 recipe = Recipe(func, targs, tkw, refs, ("ret", i), rng)
             new = self._new_record(o, key, cost, recipe, info.name)
             if recipe is not None:
-                for a in refs:
-                    if a.rec is not None:
-                        a.rec.add_child(new)
+                self._link(recs, new)
         return out
+
+    @staticmethod
+    def _link(recs, new: Record) -> None:
+        """Make ``new`` a child of every input record, leaves included: overwriting a leaf must find
+        (and invalidate) every recipe that read it."""
+        seen = set()
+        for r in recs:
+            if r is not None and r.id not in seen:
+                seen.add(r.id)
+                r.add_child(new)
 
     def _refs(self, info, ins, recs, mut_slots, snapshots) -> List[ArgRef]:
         """How the recipe gets each tensor argument back (see ArgRef)."""
