@@ -174,22 +174,27 @@ def invalidate_dependents(rt, leaf: Record, why: str) -> None:
     seen = set()
     stack = [w() for w in leaf.children]
     leaf.children = []
-    while stack:
+    while stack:  # walk through leaves too: a record made a leaf earlier may have older dependents
         r = stack.pop()
-        if r is None or r.id in seen or r.recipe is None:
+        if r is None or r.id in seen:
             continue
         seen.add(r.id)
-        closure.append(r)
+        if r.recipe is not None:
+            closure.append(r)
         stack.extend(w() for w in r.children)
     if not closure:
         return
-    pending = [r for r in closure if r.evicted and r.sref is not None and r.sref.alive]
-    held = []
+    # Hold every resident member, then restore the evicted ones that a tensor still references one at a
+    # time, holding each: no restore can evict a member whose recipe is about to be dropped.
+    held = [r for r in closure if rt.is_available(r)]
+    for r in held:
+        r.locks += 1
     try:
-        for r in pending:  # restore one at a time and hold it, so later restores cannot evict it
-            restore(rt, [r])
-            r.locks += 1
-            held.append(r)
+        for r in closure:
+            if r.evicted and r.sref is not None and r.sref.alive:
+                restore(rt, [r])
+                r.locks += 1
+                held.append(r)
     finally:
         for r in held:
             r.locks -= 1
