@@ -4,8 +4,10 @@
 
 For each model ("transformer": TinyGPT; "cnn": a small ResNet-like net with BatchNorm, defined here),
 in one process:
-  1. the unmanaged peak: model + Adam + fixed data built and trained (warmup + 2 steps) under a
+  1. the unmanaged peak: model + Adam + fixed data built and trained (warmup + N steps) under a
      plain 8 GiB arena installed as the CPU allocator (`pymem.install_cpu_hook`, small_threshold=0);
+     its median step time is reported too (arena_only_step_s, measured once, not bracketed: it
+     separates the allocator's own effect from the runtime's, slowdown_vs_arena_only in details);
   2. the aten ops of one training step (a counting TorchDispatchMode);
   3. for each budget ratio (1.0, 0.7, 0.5, 0.3, 0.2): an unmanaged block (fresh model, warmup steps,
      N timed steps, no hook), then a managed block (`pymem.enable(ratio * peak)`, model + Adam + data
@@ -215,20 +217,21 @@ def unmanaged_block(name, a, warmup, steps):
     return {"median_s": statistics.median(times), "times_s": [round(t, 5) for t in times], "losses": losses}
 
 
-def unmanaged_peak(name, a, warmup, steps=2):
-    """Peak bytes of building + training the model with every tensor served from a plain arena."""
+def unmanaged_peak(name, a, warmup, steps):
+    """Peak bytes of building + training the model with every tensor served from a plain arena
+    (no runtime), and the median step time of that run (the allocator's share of any slowdown)."""
     gc.collect()
     arena = pymem.Arena(8 << 30, small_threshold=0)
     pymem.install_cpu_hook(arena)
     try:
         step = MODELS[name](a)
-        run_steps(step, warmup, steps)
+        times, _ = run_steps(step, warmup, steps)
         peak = arena.stats()["allocated_bytes.peak"]
         del step
         gc.collect()
     finally:
         pymem.uninstall_cpu_hook()
-    return int(peak)
+    return int(peak), statistics.median(times)
 
 
 def ops_per_step(name, a):
@@ -374,8 +377,10 @@ def bench_model(name, a, ratios, log):
     d = {"model": describe(name, a)}
     snap = cpu_snapshot()
     log(f"[{name}] {d['model']}")
-    d["unmanaged_peak_bytes"] = peak = unmanaged_peak(name, a, a.warmup)
+    peak, d["arena_only_step_s"] = unmanaged_peak(name, a, a.warmup, max(a.steps, 2))
+    d["unmanaged_peak_bytes"] = peak
     d["ops_per_step"] = ops_per_step(name, a)
+    unmanaged_block(name, a, 1, 1)  # settle the process's own heap before the first timed block
     log(f"[{name}] unmanaged peak {peak / MiB:.1f} MiB, {d['ops_per_step']} ops/step")
 
     blocks = []   # [("unmanaged", res) | ("managed", key, res)], in time order
@@ -447,6 +452,7 @@ def bench_model(name, a, ratios, log):
         res["unmanaged_median_s"] = ref
         res["unmanaged_before_s"], res["unmanaged_after_s"] = before["median_s"], after["median_s"]
         res["slowdown"] = res["median_s"] / ref if ok(res) else None
+        res["slowdown_vs_arena_only"] = res["median_s"] / d["arena_only_step_s"] if ok(res) else None
         res["loss_max_abs_diff"] = loss_diff(res, before) if ok(res) else None
     d["unmanaged_step_s"] = statistics.median(unm_all)
     d["unmanaged_block_medians_s"] = unm_all
@@ -570,8 +576,8 @@ def main():
         tg = TARGETS.get(m, {})
         print(f"\n{m}: {d['model']}")
         print(f"  unmanaged peak {d['unmanaged_peak_bytes'] / MiB:.1f} MiB, step {d['unmanaged_step_s']:.3f} s "
-              f"(blocks spread {d['unmanaged_spread']:.1%}), {d['ops_per_step']} ops/step, "
-              f"bookkeeping share {d['overhead_share']:.1%}")
+              f"(blocks spread {d['unmanaged_spread']:.1%}; {d['arena_only_step_s']:.3f} s with the plain arena as "
+              f"allocator, no runtime), {d['ops_per_step']} ops/step, bookkeeping share {d['overhead_share']:.1%}")
         mc = d["machine"]
         if "steal_fraction" in mc:
             print(f"  machine: load average {mc['loadavg_1m_start']:.2f} -> {mc['loadavg_1m_end']:.2f}, "
