@@ -221,9 +221,10 @@ def run(name: str, steps: int, seed: int = 0):
     return losses, [p.detach().clone() for p in step.model.parameters()]
 
 
-def unmanaged_peak(name: str, steps: int, seed: int = 0) -> int:
-    """Peak bytes of every CPU tensor of a run of ``steps`` steps (trainer built under the hook
-    too), measured with an 8 GiB lazily mapped host arena as the CPU allocator."""
+def measure(name, steps, seed=0):
+    """(peak, current) bytes of every CPU tensor over a run of ``steps`` steps (trainer built under the
+    hook too), measured with an 8 GiB lazily mapped host arena as the CPU allocator; ``current`` is
+    what stays allocated after the last step while the trainer is alive."""
     import pymem
 
     arena = pymem.Arena(8 << 30, small_threshold=0)
@@ -232,9 +233,14 @@ def unmanaged_peak(name: str, steps: int, seed: int = 0) -> int:
         step = trainer(name, seed)
         for _ in range(steps):
             step()
-        peak = arena.stats()["allocated_bytes.peak"]
+        stats = arena.stats()
     finally:
         pymem.uninstall_cpu_hook()
     del step
     gc.collect()
-    return peak
+    return stats["allocated_bytes.peak"], stats["allocated_bytes.current"]
+
+
+def unmanaged_peak(name, steps, seed=0):
+    """Peak bytes of every CPU tensor of a run of ``steps`` steps (see ``measure``)."""
+    return measure(name, steps, seed)[0]

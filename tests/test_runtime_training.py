@@ -214,15 +214,5 @@ def test_workloads_fit_at_the_smallest_ratio():
     """Guards the workloads themselves (no pymem runtime involved): the leaves that stay resident
     between steps take well under the smallest budget, so a failure at 30% is the runtime's."""
     for name in rm.NAMES:
-        arena = pymem.Arena(8 << 30, small_threshold=0)
-        pymem.install_cpu_hook(arena)
-        try:
-            step = rm.trainer(name)
-            for _ in range(2):
-                step()
-            resident = arena.stats()["allocated_bytes.current"]
-        finally:
-            pymem.uninstall_cpu_hook()
-        del step
-        gc.collect()
+        resident = rm.measure(name, 2)[1]
         assert resident < 0.15 * unmanaged_peak(name), (name, resident, unmanaged_peak(name))

@@ -21,14 +21,13 @@ class PressureHandler:
 
     def __call__(self, request: int, window) -> None:
         rt = self.rt
-        rt.sweep()  # values whose last tensor died are freed already: count them as evicted
+        allocs = rt.arena.num_allocs
+        if allocs != self._allocs:  # a new request (the arena calls us again until it fits)
+            self._allocs, self._freed = allocs, 0
+            rt.sweep()  # values whose last tensor died are freed already: count them as evicted
         if self.uses_window:
             self._release_window(request)
-            return
-        allocs = rt.arena.num_allocs
-        if allocs != self._allocs:
-            self._allocs, self._freed = allocs, 0
-        if self._freed < request:
+        elif self._freed < request:
             self._freed += self._release_lowest()
         else:
             self._release_window(request)

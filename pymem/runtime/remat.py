@@ -87,7 +87,7 @@ def _base_of(rt, rec: Record, private: bool) -> _Base:
     cached = rt.cache.get(rec)
     if cached is not None:
         if private:  # the op will write it: take it out of the cache so no one else reads the result
-            rt.drop_cached(rec)
+            del rt.cache[rec]
         return _Base(cached[0], cached[1])
     if private:  # a resident value the op would write: work on a copy
         copy = rec.sref.strong().clone()
@@ -200,7 +200,7 @@ def invalidate_dependents(rt, leaf: Record, why: str) -> None:
             r.locks -= 1
     for r in closure:
         if r in rt.cache:
-            rt.drop_cached(r)
+            del rt.cache[r]
         r.recipe = None
         r.children = []
         if not rt.is_available(r):

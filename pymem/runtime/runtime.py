@@ -133,13 +133,6 @@ class Runtime:
                 self.mark_gone(r)
         self._sweep_at = max(4096, 2 * len(table))
 
-    def record_of(self, t: _Tensor) -> Optional[Record]:
-        key = _storage_key(t)
-        r = self.table.get(key)
-        if r is None and key:
-            r = self._new_record(t, key, 0.0, None, "leaf")
-        return r
-
     def is_available(self, r: Record) -> bool:
         if r in self.cache:
             return True
@@ -151,7 +144,7 @@ class Runtime:
         """Free one value's buffer now (it stays recomputable)."""
         if r in self.cache:
             self.evicted_bytes += r.nbytes
-            self.drop_cached(r)
+            del self.cache[r]
         else:
             self.evicted_bytes += r.sref.evict()
             r.evicted = True
@@ -168,15 +161,12 @@ class Runtime:
         self.cache[r] = (sref, tensor)
         self.neighbourhood_forget(r)
 
-    def drop_cached(self, r: Record) -> None:
-        del self.cache[r]
-
     def on_rematerialized(self, r: Record) -> None:
         r.last_access = self.clock
-        if self.neighbourhood.is_evicted(r.id):
-            self.neighbourhood.on_rematerialize(r.id)
+        self.neighbourhood_forget(r)
 
     def neighbourhood_forget(self, r: Record) -> None:
+        """r's value is back in memory (or no longer recomputable): it leaves the evicted neighbourhood."""
         if self.neighbourhood.is_evicted(r.id):
             self.neighbourhood.on_rematerialize(r.id)
 
