@@ -108,7 +108,7 @@ uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double c
       if (!w.found) throw_out_of_budget_locked(nbytes, "no releasable window covers the request");
     }
     PressureHandler handler = handler_;
-    const uint64_t frees_before = stats_.num_frees;
+    const uint64_t frees_before = stats_.num_frees, moves_before = stats_.num_moved_blocks;
     lock.unlock();
     {
       struct Depth {  // keeps the counters right if the handler throws
@@ -119,7 +119,7 @@ uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double c
       handler(rounded, w);
     }
     lock.lock();
-    if (stats_.num_frees == frees_before)
+    if (stats_.num_frees == frees_before && stats_.num_moved_blocks == moves_before)
       throw_out_of_budget_locked(nbytes, "the pressure handler released nothing");
   }
 }

@@ -20,6 +20,8 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <utility>
+#include <vector>
 
 #include "addr_map.h"
 #include "backing.h"
@@ -60,6 +62,17 @@ class Arena {
   // Size of the allocated block at addr (rounded). Throws InvalidArgument if none.
   size_t block_size(uintptr_t addr) const;
 
+  // Compaction (compact.cpp): slides each listed block (allocated, main region, not pinned) up to
+  // the highest address it can reach without passing a block that is not listed, moving its bytes
+  // (Backing::move) — so the free bytes between unlisted blocks end up as one block at the bottom.
+  // Returns (old, new) address pairs for the blocks that moved; the caller repoints their owners.
+  // A call from a pressure handler counts as progress. Throws InvalidArgument, before changing
+  // anything, for an address that is not such a block or a backing that cannot move bytes.
+  std::vector<std::pair<uintptr_t, uintptr_t>> compact(const std::vector<uintptr_t>& addrs);
+  // Moves one allocated main-region block (not pinned) to `to`, which with the block's size must lie
+  // inside one free block of the main region; copies its bytes and frees the old range. Same rules.
+  void move_block(uintptr_t from, uintptr_t to);
+
   // The window the pressure protocol would choose for `nbytes` now (does not release anything).
   Window find_window(size_t nbytes);
   void set_pressure_handler(PressureHandler handler);
@@ -84,6 +97,8 @@ class Arena {
   Window search_locked(size_t rounded);
   [[noreturn]] void throw_out_of_budget_locked(size_t nbytes, const char* why);
   void release_block_locked(Block* b);
+  Block* movable_block_locked(uintptr_t addr, const char* what) const;  // compact.cpp
+  Block* relocate_locked(Block* b, Block* fb, uintptr_t to);
 
   std::unique_ptr<Backing> backing_;
   size_t budget_;

@@ -3,6 +3,8 @@
 
 #include <sys/mman.h>
 
+#include <cstring>
+
 #include <stdexcept>
 #include <string>
 
@@ -25,6 +27,10 @@ class HostBacking final : public Backing {
   }
   ~HostBacking() override { munmap(reinterpret_cast<void*>(base_), size_); }
   const char* kind() const override { return "host"; }
+  bool can_move() const override { return true; }
+  void move(uintptr_t dst, uintptr_t src, size_t n) override {
+    std::memmove(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+  }
 };
 
 class VirtualBacking final : public Backing {
@@ -34,6 +40,8 @@ class VirtualBacking final : public Backing {
     size_ = bytes;
   }
   const char* kind() const override { return "virtual"; }
+  bool can_move() const override { return true; }  // no bytes: moving is address arithmetic only
+  void move(uintptr_t, uintptr_t, size_t) override {}
 };
 
 class CudaBacking final : public Backing {
@@ -60,6 +68,12 @@ class CudaBacking final : public Backing {
 };
 
 }  // namespace
+
+// CUDA slabs do not move bytes yet (the function table has no memcpy); Arena::compact checks
+// can_move() before it changes anything, so this is never reached through it.
+void Backing::move(uintptr_t, uintptr_t, size_t) {
+  throw std::logic_error(std::string("pymem: a ") + kind() + " backing cannot move bytes");
+}
 
 std::unique_ptr<Backing> make_host_backing(size_t bytes) { return std::make_unique<HostBacking>(bytes); }
 std::unique_ptr<Backing> make_virtual_backing(size_t bytes) {

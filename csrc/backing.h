@@ -20,6 +20,9 @@ class Backing {
   uintptr_t base() const { return base_; }
   size_t size() const { return size_; }
   virtual const char* kind() const = 0;
+  // Compaction (Arena::compact) moves block contents inside the slab. `dst` and `src` may overlap.
+  virtual bool can_move() const { return false; }
+  virtual void move(uintptr_t dst, uintptr_t src, size_t n);
 
  protected:
   uintptr_t base_ = 0;

@@ -45,6 +45,8 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
       .def_property_readonly("data_ptr", &pymem::StorageRef::data_ptr)
       .def("evict", &pymem::StorageRef::evict)
       .def("adopt", &pymem::StorageRef::adopt, py::arg("src"))
+      .def("relocate", &pymem::StorageRef::relocate, py::arg("addr"),
+           "Point the storage at `addr`, where Arena.compact moved its bytes (CPU hook buffers only).")
       .def("view", &pymem::StorageRef::view, py::arg("dtype"), py::arg("size"), py::arg("stride"), py::arg("offset"))
       .def("strong", &pymem::StorageRef::strong);
   m.def("storage_key", &pymem::storage_key, py::arg("tensor"),

@@ -68,6 +68,9 @@ py::dict stats_dict(const ArenaStats& s) {
   d["num_searches"] = s.num_searches;
   d["num_ooms"] = s.num_ooms;
   d["search_seconds"] = double(s.search_ns) * 1e-9;
+  d["num_compactions"] = s.num_compactions;
+  d["num_moved_blocks"] = s.num_moved_blocks;
+  d["moved_bytes"] = s.moved_bytes;
   // Fragmentation three ways: now (1 - largest free / total free), GMLake's (1 - peak / budget),
   // and Coop's (free bytes / budget at each pressure event, averaged).
   d["fragmentation.largest_free"] =
@@ -211,6 +214,11 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
              return w.found ? py::cast(std::move(w)) : py::none();
            },
            py::arg("nbytes"), "The window the pressure protocol would release for nbytes now, or None.")
+      .def("compact", &Arena::compact, py::arg("addrs"),
+           "Slide the listed blocks up past free space (not past unlisted blocks), moving their bytes;\n"
+           "returns [(old_addr, new_addr)] for those that moved. Callers repoint their owners.")
+      .def("move_block", &Arena::move_block, py::arg("from_addr"), py::arg("to_addr"),
+           "Move one allocated block's bytes to to_addr, inside one free block; frees the old range.")
       .def("set_pressure_handler",
            [](Arena& a, py::object fn) {
              if (fn.is_none()) return a.set_pressure_handler(nullptr);

@@ -85,6 +85,10 @@ ArenaCPUAllocator g_allocator;
 
 }  // namespace
 
+bool is_cpu_hook_buffer(const void* data, const void* context, void (*deleter)(void*)) {
+  return data != nullptr && data == context && deleter == &delete_fn;
+}
+
 void install_cpu_hook(std::shared_ptr<Arena> arena) {
   if (!arena) throw InvalidArgument("install_cpu_hook needs an arena");
   if (std::string(arena->backing_kind()) != "host")

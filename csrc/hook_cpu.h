@@ -15,6 +15,9 @@ void install_cpu_hook(std::shared_ptr<Arena> arena);
 void uninstall_cpu_hook();
 // The arena currently installed, or null.
 std::shared_ptr<Arena> cpu_hook_arena();
+// True for buffers the hook allocated (their DataPtr context is their address; the deleter frees
+// into whichever hooked arena holds it): the only buffers compaction may repoint.
+bool is_cpu_hook_buffer(const void* data, const void* context, void (*deleter)(void*));
 // Frees that arrived for a pointer no hooked arena owns (should stay 0; a deleter cannot throw).
 uint64_t cpu_hook_bad_frees();
 

@@ -48,7 +48,7 @@ Block* Region::allocate(size_t rounded, CostClass cls) {
   return b ? place(b, rounded, cls) : nullptr;
 }
 
-void Region::free(Block* b) {
+Block* Region::free(Block* b) {
   b->allocated = false;
   b->pinned = false;
   b->owner = 0;
@@ -71,6 +71,32 @@ void Region::free(Block* b) {
     delete_block(n);
   }
   free_.insert(b);
+  return b;
+}
+
+Block* Region::split_after(Block* b, size_t keep) {
+  Block* nb = new_block();
+  nb->addr = b->addr + keep;
+  nb->size = b->size - keep;
+  nb->prev = b;
+  nb->next = b->next;
+  if (b->next) b->next->prev = nb;
+  b->next = nb;
+  b->size = keep;
+  return nb;
+}
+
+Block* Region::carve(Block* fb, uintptr_t addr, size_t rounded) {
+  free_.erase(fb);  // keyed by (size, address): out before either changes
+  free_bytes_ -= rounded;
+  if (addr > fb->addr) {  // [free fb | rest]
+    Block* rest = split_after(fb, addr - fb->addr);
+    free_.insert(fb);
+    fb = rest;
+  }
+  if (fb->size > rounded) free_.insert(split_after(fb, rounded));  // [fb | free tail]
+  fb->allocated = true;
+  return fb;
 }
 
 }  // namespace pymem

@@ -26,8 +26,12 @@ class Region {
   // Best-fit a free block of at least `rounded` bytes and carve the block out of it at the end the
   // cost class asks for (placement.cpp). Returns null when no free block is large enough.
   Block* allocate(size_t rounded, CostClass cls);
-  // Return an allocated block; coalesces with free neighbours.
-  void free(Block* b);
+  // Return an allocated block; coalesces with free neighbours. Returns the free block that now
+  // covers b's range.
+  Block* free(Block* b);
+  // Allocate exactly [addr, addr + rounded) out of the free block `fb`, which must cover it; the
+  // parts of fb below and above stay free. Compaction's placement (Arena::compact).
+  Block* carve(Block* fb, uintptr_t addr, size_t rounded);
 
   Block* first() const { return first_; }
   uintptr_t base() const { return base_; }
@@ -41,6 +45,7 @@ class Region {
  private:
   Block* place(Block* free_block, size_t rounded, CostClass cls);  // placement.cpp
   Block* new_block();
+  Block* split_after(Block* b, size_t keep);  // b keeps `keep` bytes; returns the upper part
   void delete_block(Block* b);
 
   uintptr_t base_;

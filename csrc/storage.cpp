@@ -1,6 +1,8 @@
 // storage.cpp — see storage.h.
 #include "storage.h"
 
+#include "hook_cpu.h"
+
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
 
@@ -94,6 +96,17 @@ size_t StorageRef::evict() { return evict_impl(lock("evict").get(), "StorageRef.
 
 void StorageRef::adopt(const at::Tensor& src) {
   adopt_impl(lock("adopt").get(), impl(src, "StorageRef.adopt"), nbytes_, "StorageRef.adopt");
+}
+
+void StorageRef::relocate(uintptr_t addr) {
+  auto s = lock("relocate");
+  const c10::DataPtr& old = s->data_ptr();
+  TORCH_CHECK(old.get() != nullptr, "pymem.StorageRef.relocate: the storage is evicted");
+  TORCH_CHECK(is_cpu_hook_buffer(old.get(), old.get_context(), old.get_deleter()),
+              "pymem.StorageRef.relocate: the buffer was not allocated by pymem's CPU hook, so it cannot be moved");
+  void* p = reinterpret_cast<void*>(addr);
+  c10::DataPtr prev = s->set_data_ptr(c10::DataPtr(p, p, old.get_deleter(), old.device()));
+  (void)prev.release_context();  // ownership dropped, deleter not run: the old address is no longer ours to free
 }
 
 at::Tensor StorageRef::view(at::ScalarType dtype, const std::vector<int64_t>& size,

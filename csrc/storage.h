@@ -45,6 +45,10 @@ class StorageRef {
   size_t evict();
   // Moves `src`'s whole storage buffer (exactly nbytes()) into this evicted storage.
   void adopt(const at::Tensor& src);
+  // Points the storage at `addr`, where Arena::compact moved its bytes, without freeing the old
+  // address (compaction already re-cut the arena). Only for buffers whose DataPtr context is the
+  // address itself (the CPU hook's); the deleter is kept, so the new address is freed at death.
+  void relocate(uintptr_t addr);
   // A new tensor over this storage with the given view metadata: no dispatcher, no autograd.
   at::Tensor view(at::ScalarType dtype, const std::vector<int64_t>& size, const std::vector<int64_t>& stride,
                   int64_t offset) const;

@@ -93,6 +93,8 @@ struct ArenaStats {
   uint64_t num_searches = 0;         // window searches run
   uint64_t num_ooms = 0;             // allocations that failed with OutOfBudget
   uint64_t search_ns = 0;            // time spent in window searches
+  uint64_t num_compactions = 0;      // compact calls that moved a block, and move_block calls
+  uint64_t num_moved_blocks = 0, moved_bytes = 0;  // what compaction moved
   // Coop's fragmentation measure: sum over pressure events of free_bytes / budget.
   double pressure_free_ratio_sum = 0.0;
 };

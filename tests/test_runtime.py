@@ -165,3 +165,26 @@ def test_overwriting_a_leaf_keeps_evicted_dependents_right(managed):
     with torch.no_grad():
         w.mul_(2)
     assert torch.equal(z, (w / 2) * 3)
+
+
+def test_scattered_leaves_are_moved_to_fit_a_large_request(managed):
+    """Leaves (state made under no_grad) between evictable values split the free bytes; the request
+    fits only if the leaves move. Their values, and the recomputed ones, must survive the move."""
+    n = 65_536  # 256 KiB per tensor: above the small-region threshold
+    nbytes = 4 * n
+    pymem.enable(10 * nbytes + 16 * 1024 + 512, policy="dtr")  # + the small region (budget / 64)
+    x = torch.randn(n)
+    leaves, acts = [], []
+    for i in range(4):
+        with torch.no_grad():
+            leaves.append(torch.full((n,), float(i)))  # state: never evicted
+        acts.append(x * (i + 2))                       # recomputable
+    big = torch.cat([x, x, x])                         # 3 tensors' worth in one block
+    assert all(torch.equal(big[k * n:(k + 1) * n], x) for k in range(3))
+    st = pymem.memory_stats()
+    assert st["num_evictions"] >= 2 and st["num_compactions"] >= 1 and st["moved_bytes"] > 0
+    assert st["allocated_bytes.peak"] <= st["budget_bytes"]
+    del big  # (its bytes are checked below against x, slice by slice)
+    for i in range(4):
+        assert torch.equal(leaves[i], torch.full((n,), float(i)))
+        assert torch.equal(acts[i], x * (i + 2))

@@ -13,7 +13,7 @@ import sysconfig
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = ["arena.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "window.cpp", "backing.cpp",
+SOURCES = ["arena.cpp", "compact.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "window.cpp", "backing.cpp",
            "bench.cpp", "bindings_arena.cpp", "bindings.cpp"]
 
 
@@ -48,7 +48,8 @@ def test_arena_tests_pass_under_asan_and_ubsan(asan_module):
     # Python's own allocations are not ours to judge: leaks off; everything else halts.
     env["ASAN_OPTIONS"] = "detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=99"
     env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1:exitcode=98"
-    tests = ["test_arena_properties.py", "test_window.py", "test_arena_errors.py", "test_threads.py"]
+    tests = ["test_arena_properties.py", "test_window.py", "test_arena_errors.py", "test_threads.py",
+             "test_compaction.py"]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
                            *[os.path.join(ROOT, "tests", t) for t in tests]],
                           cwd=os.path.join(ROOT, "tests"), env=env, capture_output=True, text=True, timeout=600)

@@ -61,3 +61,29 @@ def test_bad_adopt_and_evict_are_clear_errors_and_change_nothing():
         _C.adopt_storage(a, tail, n)
     _C.adopt_storage(a, torch.arange(16.0), n)
     assert torch.equal(a, torch.arange(16.0)) and torch.equal(tail, torch.arange(2.0, 16.0))
+
+
+def test_relocate_refuses_buffers_the_hook_did_not_allocate():
+    t = torch.arange(16.0)  # PyTorch's own allocator
+    with pytest.raises(RuntimeError, match="was not allocated by pymem's CPU hook, so it cannot be moved"):
+        _C.StorageRef(t).relocate(t.data_ptr() + 512)
+    assert torch.equal(t, torch.arange(16.0))
+
+
+def test_relocate_follows_a_compacted_block_for_every_view():
+    arena = pymem.Arena(1 << 20, small_threshold=0)
+    pymem.install_cpu_hook(arena)
+    try:
+        gap = torch.empty(8192)
+        t = torch.arange(8192.0)
+    finally:
+        pymem.uninstall_cpu_hook()
+    view = t[100:200]
+    ref = _C.StorageRef(t)
+    del gap
+    (old, new), = arena.compact([ref.data_ptr])
+    ref.relocate(new)
+    assert t.data_ptr() == new and view.data_ptr() == new + 400
+    assert torch.equal(view, torch.arange(100.0, 200.0)) and torch.equal(t, torch.arange(8192.0))
+    del t, view
+    assert arena.stats()["allocated_bytes.current"] == 0  # the new address was freed at death

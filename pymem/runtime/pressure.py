@@ -5,11 +5,14 @@ allocation proceeds (so the budget is hard).
 h = c'/s, refreshed in the arena at each call). Scored policies (``dtr``, ``lru``, ...) release
 the lowest-scoring value, one per call, while that can still help: once the values released for
 one allocation add up to the request and it still does not fit (the free bytes are scattered), they
-release the cheapest window under their own block cost instead. A hard budget cannot grow past
-fragmentation the way a caching allocator does, and this keeps one-at-a-time eviction from
-emptying the arena for a single large request.
+compact instead (compaction.py): release the cheapest values of one segment between unmovable blocks
+and slide the rest of it together. A hard budget cannot grow past fragmentation the way a caching
+allocator does, and this keeps one-at-a-time eviction from emptying the arena for a single large
+request. When no segment can hold the request, they fall back to the cheapest window.
 """
 import math
+
+from .compaction import compact_for
 
 
 class PressureHandler:
@@ -26,19 +29,25 @@ class PressureHandler:
             self._allocs, self._freed = allocs, 0
             rt.sweep()  # values whose last tensor died are freed already: count them as evicted
         if self.uses_window:
-            self._release_window(request)
+            if not self._release_window(request) and not compact_for(rt, request):
+                self._release_lowest()
         elif self._freed < request:
-            self._freed += self._release_lowest()
-        else:
+            freed = self._release_lowest()
+            self._freed += freed
+            if not freed:  # nothing left to release: the free bytes may still be enough together
+                compact_for(rt, request)
+        elif not compact_for(rt, request):
             self._release_window(request)
 
-    def _candidates(self):
-        """Every value we may release now (inputs held by a running op or restore are locked)."""
+    def _candidates(self, waiting: bool = False):
+        """Every value we may release now: never inputs of a running op (locked); inputs a pending
+        recompute waits for only when ``waiting``."""
         for r in self.rt.table.values():
-            if r.recipe is not None and not r.evicted and r.locks == 0 and r.in_arena:
+            if r.recipe is not None and not r.evicted and r.locks == 0 and r.in_arena and \
+                    (waiting or r.waits == 0):
                 yield r, r.sref
         for r, (sref, _) in self.rt.cache.items():
-            if r.recipe is not None and r.locks == 0:
+            if r.recipe is not None and r.locks == 0 and (waiting or r.waits == 0):
                 yield r, sref
 
     def _release_lowest(self) -> int:
@@ -49,22 +58,28 @@ class PressureHandler:
             s = evaluate(r, now)
             if s < best_score:
                 best, best_score = r, s
+        if best is None:  # only inputs a pending recompute waits for: the one needed last goes
+            best_key = (math.inf, math.inf)
+            for r, _ in self._candidates(waiting=True):
+                k = (r.wait_depth, evaluate(r, now))
+                if k < best_key:
+                    best, best_key = r, k
         if best is None:
             return 0
         rt.release(best)
         return best.nbytes
 
-    def _release_window(self, request: int) -> None:
+    def _release_window(self, request: int) -> bool:
         rt = self.rt
         arena, now, cost = rt.arena, rt.clock, rt.policy.block_cost
         owners = {}
         for r in rt.table.values():  # owner 0: not releasable; resets the window
-            if r.in_arena and not r.evicted and (r.recipe is None or r.locks):
+            if r.in_arena and not r.evicted and (r.recipe is None or r.locks or r.waits):
                 addr = r.sref.data_ptr
                 if addr:
                     arena.set_owner(addr, 0, 0.0)
         for r, (sref, _) in rt.cache.items():
-            if r.locks:
+            if r.locks or r.waits:
                 arena.set_owner(sref.data_ptr, 0, 0.0)
         for r, sref in list(self._candidates()):
             addr = sref.data_ptr
@@ -73,9 +88,9 @@ class PressureHandler:
                 owners[r.id] = r
         w = arena.find_window(request)
         if w is None:
-            self._release_lowest()  # no window at all: release what we can, the arena will decide
-            return
+            return False
         for owner in w.owners:
             r = owners.get(owner)
             if r is not None and r.locks == 0 and rt.is_available(r):
                 rt.release(r)
+        return True

@@ -5,33 +5,46 @@ Values recomputed only as inputs of others (their storage is dead: no user tenso
 kept in ``rt.cache`` as ordinary evictable values, so restoring a run of neighbours (backward through
 an evicted region) does not recompute the shared chain again for each one.
 """
+import math
 import time
 from typing import Iterable, List
 
 import torch
 
 from .. import _C
+from ..errors import OutOfBudgetError
+from . import compaction
 from .records import Record, Slot
 
 _THRASH_LIMIT = 1_000_000  # deepest recompute chain we follow
+_THRASH_FACTOR = 4         # a soft restore's recomputes per record in the table
 
 
 def restore(rt, records: Iterable[Record]) -> None:
     """Make every record resident in its own storage (recomputing what is missing)."""
     for r in records:
         if not rt.is_available(r):
-            _build(rt, r)
+            try:
+                _build(rt, r, soft=False)
+            except OutOfBudgetError:  # what it restored stays; the waiting inputs did not fit at once
+                _build(rt, r, soft=True)
 
 
-def _build(rt, target: Record) -> None:
+def _build(rt, target: Record, soft: bool) -> None:
     """Recompute ``target`` and whatever it needs, depth first on an explicit stack.
 
-    Progress guarantee: while a record waits on the stack, its inputs that are already available are
-    locked for it, so the pressure handler cannot release them before it is recomputed. Every
-    recompute makes progress, or the budget is too small and the allocation raises OutOfBudgetError.
+    While a record waits on the stack, its available inputs are held for it. ``soft=False``: locked,
+    so the pressure handler cannot release them and every recompute is progress — or the budget is
+    too small and an allocation raises OutOfBudgetError. A long chain whose waiting inputs do not all
+    fit at once is then retried with ``soft=True``: held inputs are only marked (``waits``) and
+    released when nothing else is left, those of the shallowest level first (needed last, after the
+    chain below is back); one released this way is recomputed on the way up. A soft restore that
+    keeps recomputing what it released (over ``_THRASH_FACTOR`` recomputes per record in the table)
+    raises OutOfBudgetError instead of looping.
     """
     stack: List[Record] = [target]
-    held = {}  # record id -> (set of locked input ids, list of locked inputs)
+    held = {}  # record id -> (set of held input ids, list of them)
+    recomputes, limit = 0, _THRASH_FACTOR * (len(rt.table) + 64) if soft else math.inf
     try:
         while stack:
             r = stack[-1]
@@ -45,15 +58,20 @@ def _build(rt, target: Record) -> None:
             inputs = r.recipe.input_records()
             h = held.get(r.id)
             if h is None:
-                h = held[r.id] = (set(), [])
+                h = held[r.id] = (set(), [], soft)
             missing = []
             for a in inputs:
                 if rt.is_available(a):
                     if a.id not in h[0]:
                         h[0].add(a.id)
                         h[1].append(a)
-                        a.locks += 1
-                elif a.id not in h[0]:
+                        if not soft:
+                            a.locks += 1
+                            continue
+                        a.waits += 1
+                        if len(stack) > a.wait_depth:
+                            a.wait_depth = len(stack)
+                elif a not in missing:  # again, if it was released while r waited
                     missing.append(a)
             if missing:
                 if len(stack) > _THRASH_LIMIT:
@@ -61,6 +79,11 @@ def _build(rt, target: Record) -> None:
                 stack.extend(missing)
                 continue
             stack.pop()
+            recomputes += 1
+            if recomputes > limit:
+                raise OutOfBudgetError(
+                    f"pymem: restoring {target.op} ({target.nbytes} B) thrashes: {recomputes} recomputes and "
+                    f"counting, each releasing inputs another one still waits for. Raise the budget.")
             _recompute(rt, r)
             _unlock(held.pop(r.id, None))
     finally:
@@ -70,8 +93,14 @@ def _build(rt, target: Record) -> None:
 
 def _unlock(h) -> None:
     if h:
+        if not h[2]:
+            for a in h[1]:
+                a.locks -= 1
+            return
         for a in h[1]:
-            a.locks -= 1
+            a.waits -= 1
+            if not a.waits:
+                a.wait_depth = 0
 
 
 class _Base:
@@ -110,6 +139,8 @@ def _recompute(rt, r: Record) -> None:
     locked = rc.input_records()
     for rec in locked:
         rec.locks += 1
+    # What the kernels below read must not move under them (compaction): records and leaf aliases.
+    rt.running.append(locked + [a.leaf for a in rc.refs if a.leaf is not None])
     try:
         bases = {}
         tensors = []
@@ -127,21 +158,25 @@ def _recompute(rt, r: Record) -> None:
                 tensors.append(_C.StorageRef(buf).view(a.dtype, a.size, a.stride, a.offset))
         args, kwargs = _fill(rc.args, tensors), _fill(rc.kwargs, tensors)
         t0 = time.perf_counter()
-        with torch.no_grad():
-            if rc.rng is not None:
-                gen, state = rc.rng
-                saved = gen.get_state()
-                gen.set_state(state)
-                try:
-                    out = rc.func(*args, **kwargs)
-                finally:
-                    gen.set_state(saved)
-            else:
-                out = rc.func(*args, **kwargs)
+        try:
+            out = _call(rc, args, kwargs)
+        except OutOfBudgetError:
+            # A functional recompute left no trace: compact with its inputs movable, run it again.
+            if any(a.mutated for a in rc.refs):
+                raise
+            entry = rt.running.pop()
+            try:
+                moved = compaction.defragment(rt)
+            finally:
+                rt.running.append(entry)
+            if not moved:
+                raise
+            out = _call(rc, args, kwargs)
         rt.stats_remat(time.perf_counter() - t0)
     finally:
         for rec in locked:
             rec.locks -= 1
+        rt.running.pop()
     kind, i = rc.out
     result = tensors[i] if kind == "arg" else (out if isinstance(out, torch.Tensor) else _flat(out)[i])
     sref = r.sref
@@ -154,6 +189,19 @@ def _recompute(rt, r: Record) -> None:
         if ref.nbytes != r.nbytes:
             raise RuntimeError(f"pymem: recomputing {r.op} gave {ref.nbytes} B, the original held {r.nbytes} B")
         rt.add_cached(r, ref, result)
+
+
+def _call(rc, args, kwargs):
+    with torch.no_grad():
+        if rc.rng is None:
+            return rc.func(*args, **kwargs)
+        gen, state = rc.rng
+        saved = gen.get_state()
+        gen.set_state(state)
+        try:
+            return rc.func(*args, **kwargs)
+        finally:
+            gen.set_state(saved)
 
 
 def _flat(out) -> List:

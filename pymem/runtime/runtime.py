@@ -10,7 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import _C
 from ..errors import OutOfBudgetError
 from ..policies import EvictedNeighbourhood, Policy, get_policy
-from . import remat
+from . import compaction, remat
 from .ops import mutated_tensors, op_info
 from .pressure import PressureHandler
 from .records import ArgRef, Recipe, Record, Slot
@@ -76,6 +76,10 @@ class Runtime:
         self.arena = _C.Arena(budget, backing="host", search="handler")
         self.budget = budget
         self.lo, self.hi = self.arena.base, self.arena.base + budget
+        self.main_hi = self.hi - self.arena.small_region_size  # [lo, main_hi): blocks that compact
+        # Inputs (records, or leaf tensors) of the kernels running now, innermost last: a kernel may
+        # hold their addresses, so compaction leaves them where they are. Locks only stop release.
+        self.running: List[list] = []
         self._small = self.arena.small_threshold
         self.neighbourhood = EvictedNeighbourhood()
         self.table: Dict[int, Record] = {}   # storage key -> record of the storage's current value
@@ -217,6 +221,7 @@ class Runtime:
             evicted = [r for r in recs if r is not None and r.evicted]
             if evicted:
                 remat.restore(self, evicted)
+            self.running.append(recs)
             # State updates (optimizer steps, parameter init, running averages) run under no_grad
             # outside the autograd engine: their outputs are state, never recomputed (they are the
             # leaves of the next step), so no recipe chain can grow from one step to the next.
@@ -240,20 +245,27 @@ class Runtime:
                         if recomputable and info.fresh_returns and r.nbytes <= _SNAPSHOT_LIMIT and not shared:
                             if snapshots is None:
                                 snapshots = {}
-                            snapshots[j] = ins[j].clone()
+                            snap = snapshots[j] = ins[j].clone()
+                            self._new_record(snap, _storage_key(snap), 0.0, None, "snapshot")
                         else:
                             recomputable = False
             rng = None
-            if recomputable and info.seeded:
+            if info.seeded:
                 gen = kwargs.get("generator") or torch.default_generator
                 rng = (gen, gen.get_state())
             t0 = _perf()
             try:
                 out = func(*args, **kwargs)
             except OutOfBudgetError as e:
-                raise self._op_error(info.name, recs, e) from None
+                out = self._retry_compacted(func, args, kwargs, info, rng, recs, e)
             cost = _perf() - t0
+            if not recomputable:
+                rng = None
+            elif rng is not None:  # the state tensor lives in the arena: let compaction move it
+                self._new_record(rng[1], _storage_key(rng[1]), 0.0, None, "rng state")
         finally:
+            if self.running and self.running[-1] is recs:
+                self.running.pop()
             for r in recs:
                 if r is not None:
                     r.locks -= 1
@@ -308,6 +320,26 @@ class Runtime:
             if recipe is not None:
                 self._link(recs, new)
         return out
+
+    def _retry_compacted(self, func, args, kwargs, info, rng, recs, e: OutOfBudgetError):
+        """``func`` ran out of budget with its inputs pinned where they lie. A functional op has left
+        no trace (its partial outputs died with the exception), so its inputs may move now: compact
+        the whole arena into one free block and run it once more."""
+        if info.mutated or not info.pure:
+            raise self._op_error(info.name, recs, e) from None
+        running = self.running.pop()  # the kernel has exited: its inputs may move
+        try:
+            moved = compaction.defragment(self)
+        finally:
+            self.running.append(running)
+        if not moved:
+            raise self._op_error(info.name, recs, e) from None
+        if rng is not None:
+            rng[0].set_state(rng[1])  # replay from the same generator state, as if it ran once
+        try:
+            return func(*args, **kwargs)
+        except OutOfBudgetError as e2:
+            raise self._op_error(info.name, recs, e2) from None
 
     @staticmethod
     def _link(recs, new: Record) -> None:
