@@ -8,8 +8,9 @@ import torch  # noqa: F401  (loads libc10, which _C links against)
 from . import _C
 from ._C import Arena, Block, Victim, Window
 from .errors import OutOfBudgetError
-from .api import (current, disable, enable, evict, is_enabled, is_evicted, max_memory_allocated, memory_stats,
-                  reset_peak_memory_stats)
+from .api import (budget, current, disable, enable, evict, is_enabled, is_evicted, max_memory_allocated,
+                  memory_stats, memory_summary, reset_peak_memory_stats)
+from .budget import parse_budget
 
 __version__ = "0.1.0"
 
@@ -34,6 +35,6 @@ def cpu_hook_arena():
     return _C.cpu_hook_arena()
 
 
-__all__ = ["enable", "disable", "is_enabled", "current", "memory_stats", "max_memory_allocated",
-           "reset_peak_memory_stats", "evict", "is_evicted", "Arena", "Block", "Victim", "Window", "OutOfBudgetError", "install_cpu_hook",
+__all__ = ["enable", "disable", "budget", "is_enabled", "current", "memory_stats", "memory_summary",
+           "max_memory_allocated", "reset_peak_memory_stats", "parse_budget", "evict", "is_evicted", "Arena", "Block", "Victim", "Window", "OutOfBudgetError", "install_cpu_hook",
            "uninstall_cpu_hook", "cpu_hook_arena", "__version__"]

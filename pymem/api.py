@@ -1,48 +1,90 @@
-"""The public runtime API: enable, disable, stats."""
-from typing import Optional, Union
+"""The public runtime API: enable, disable, budget scopes, stats."""
+import contextlib
+import logging
+from typing import Iterator, Optional, Union
 
 import torch
 
+from .budget import parse_budget
 from .runtime import Runtime
 
+log = logging.getLogger("pymem")
+log.addHandler(logging.NullHandler())  # silent unless the application configures logging
+
 _current: Optional[Runtime] = None
+_settings: Optional[tuple] = None  # (budget bytes, policy, device) of the active runtime
 _last_stats: dict = {}
 
 
-def enable(budget: int, policy: str = "dtr", device: str = "cpu") -> Runtime:
-    """Keep every tensor allocated from now on inside ``budget`` bytes, evicting and recomputing
-    tensors under pressure. Tensors that exist already stay where they are (outside the budget).
+def _resolve_device(device: Optional[str]) -> str:
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if not isinstance(device, str):
+        raise ValueError(f"device must be a string like 'cpu' or 'cuda', got {device!r}")
+    return device
 
+
+def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None) -> Runtime:
+    """Keep every tensor allocated from now on inside ``budget``, evicting and recomputing tensors
+    under pressure; training gives bitwise the same results. Tensors that exist already stay where
+    they are (outside the budget).
+
+    budget: bytes (int) or a string — ``"20GB"``, ``"20GiB"``, ``"512MB"``, ``"1.5TB"``, ``"80%"`` of the
+    device's memory (see ``pymem.budget``'s module doc for the units).
     policy: one of ``pymem.policies.policy_names()`` (``dtr``, ``dtr-local``, ``lru``, ``size``,
-    ``msps``, ``coop``). device: ``"cpu"``.
+    ``msps``, ``coop``).
+    device: ``None`` (CUDA when available, else CPU) or ``"cpu"``.
+
+    Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
-    global _current
-    if isinstance(budget, bool) or not isinstance(budget, int):
-        raise ValueError(f"budget must be an int number of bytes, got {budget!r}")
-    if budget <= 0:
-        raise ValueError(f"budget must be a positive number of bytes, got {budget}")
+    global _current, _settings
+    device = _resolve_device(device)
+    nbytes = parse_budget(budget, device)
+    settings = (nbytes, policy, device)
     if _current is not None:
-        raise RuntimeError("pymem is already enabled; call pymem.disable() first")
-    rt = Runtime(budget, policy=policy, device=device)
+        if settings == _settings:
+            return _current
+        raise RuntimeError(f"pymem is already enabled with budget={_settings[0]} B, policy={_settings[1]!r}, "
+                           f"device={_settings[2]!r}; call pymem.disable() before enabling it with "
+                           f"budget={nbytes} B, policy={policy!r}, device={device!r}")
+    rt = Runtime(nbytes, policy=policy, device=device)
     rt.start()
-    _current = rt
+    _current, _settings = rt, settings
+    log.info("pymem enabled: budget %d B, policy %s, device %s", rt.budget, policy, device)
     return rt
+
+
+@contextlib.contextmanager
+def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None) -> Iterator[Runtime]:
+    """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
+    evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
+    if _current is not None:
+        raise RuntimeError("pymem.budget() cannot be used while pymem is already enabled; "
+                           "call pymem.disable() first")
+    rt = enable(limit, policy=policy, device=device)
+    try:
+        yield rt
+    finally:
+        disable()
 
 
 def disable() -> None:
     """Return to plain PyTorch: every evicted tensor is restored; all tensors stay valid."""
-    global _current, _last_stats
+    global _current, _settings, _last_stats
     rt = _current
     if rt is None:
         return
-    _current = None
+    _current, _settings = None, None
     try:
         rt.stop()
     finally:
         _last_stats = rt.memory_stats()
+        log.info("pymem disabled: peak %d B of %d B, %d evictions, %d rematerializations",
+                 _last_stats.get("allocated_bytes.peak", 0), rt.budget, rt.num_evictions, rt.num_rematerializations)
 
 
 def is_enabled() -> bool:
+    """True between ``enable`` and ``disable``."""
     return _current is not None
 
 
@@ -59,10 +101,12 @@ def memory_stats() -> dict:
 
 
 def max_memory_allocated() -> int:
+    """Peak bytes held in the arena since enable (or the last reset), like torch.cuda's."""
     return memory_stats().get("allocated_bytes.peak", 0)
 
 
 def reset_peak_memory_stats() -> None:
+    """Start the peak over from what is allocated now."""
     if _current is not None:
         _current.arena.reset_peak_memory_stats()
 
@@ -75,4 +119,35 @@ def evict(tensor: torch.Tensor) -> None:
 
 
 def is_evicted(tensor: torch.Tensor) -> bool:
+    """True when ``tensor``'s storage is evicted now (it will be recomputed on its next use)."""
     return _current is not None and _current.is_evicted(tensor)
+
+
+def _fmt(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def memory_summary() -> str:
+    """A readable table of ``memory_stats()`` (like ``torch.cuda.memory_summary``)."""
+    s = memory_stats()
+    if not s:
+        return "pymem: not enabled and never was in this process\n"
+    rows = [
+        ("budget", _fmt(s["budget_bytes"])),
+        ("allocated now / peak", f"{_fmt(s['allocated_bytes.current'])} / {_fmt(s['allocated_bytes.peak'])}"),
+        ("peak / budget", f"{s['allocated_bytes.peak'] / s['budget_bytes']:.1%}"),
+        ("ops seen", str(s.get("num_ops", 0))),
+        ("evictions (bytes)", f"{s.get('num_evictions', 0)} ({_fmt(s.get('evicted_bytes', 0))})"),
+        ("rematerializations (s)", f"{s.get('num_rematerializations', 0)} ({s.get('remat_seconds', 0.0):.3f} s)"),
+        ("compactions (moved)", f"{s.get('num_compactions', 0)} ({_fmt(s.get('moved_bytes', 0))})"),
+        ("pressure events", str(s.get("num_pressure_events", 0))),
+        ("fragmentation now", f"{s.get('fragmentation.largest_free', 0.0):.1%} (1 - largest free / free)"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["pymem memory summary", "-" * (width + 30)]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines) + "\n"

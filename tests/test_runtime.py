@@ -112,11 +112,13 @@ def test_enable_errors(managed):
         pymem.enable(MiB, policy="best")
     with pytest.raises(ValueError, match="device 'cuda' is not supported"):
         pymem.enable(MiB, device="cuda")
-    with pytest.raises(ValueError, match="budget must be an int number of bytes, got '1GB'"):
-        pymem.enable("1GB")
-    pymem.enable(MiB)
-    with pytest.raises(RuntimeError, match="already enabled"):
-        pymem.enable(MiB)
+    with pytest.raises(ValueError, match="budget '1 gigabyte' is not accepted: expected an int of bytes"):
+        pymem.enable("1 gigabyte")
+    rt = pymem.enable(MiB)
+    assert pymem.enable("1MiB") is rt  # the same settings: a no-op
+    with pytest.raises(RuntimeError, match=r"already enabled with budget=1048576 B, policy='dtr', device='cpu'; "
+                                           r"call pymem.disable\(\) before enabling it with budget=2097152 B"):
+        pymem.enable(2 * MiB)
     assert pymem.is_enabled()
     pymem.disable()
     assert not pymem.is_enabled()

@@ -1,0 +1,93 @@
+"""The user-facing API: budget forms, enable twice, budget scopes, summary, logging."""
+import logging
+
+import pytest
+import torch
+
+import pymem
+from pymem.budget import parse_budget
+
+
+@pytest.mark.parametrize("text,expect", [
+    ("20GB", 20 * 1000 ** 3), ("20GiB", 20 * 1024 ** 3), ("512MB", 512 * 1000 ** 2), ("1.5TB", 1_500_000_000_000),
+    ("64kB", 64_000 // 512 * 512), ("3 MiB", 3 << 20), ("4096", 4096), ("4096B", 4096), (1 << 20, 1 << 20),
+    ("1000", 512),  # rounded down to the arena's granularity: the budget never grows
+])
+def test_budget_forms(text, expect):
+    assert parse_budget(text) == expect
+
+
+def test_percent_of_the_device_memory():
+    assert parse_budget("80%", total=10_000_000) == 8_000_000 // 512 * 512
+    assert parse_budget("100%", total=1 << 30) == 1 << 30
+    assert 0 < parse_budget("1%") < parse_budget("2%")  # this machine's memory
+
+
+@pytest.mark.parametrize("bad", ["20XB", "-5GB", "", "GB", "1e9", "20 G B", "1.2.3GB", 1.5, True, None, [1]])
+def test_bad_budgets_quote_the_value_and_list_the_accepted_forms(bad):
+    with pytest.raises(ValueError) as e:
+        parse_budget(bad)
+    msg = str(e.value)
+    assert f"budget {bad!r} is not accepted" in msg
+    assert '"20GB", "20GiB", "512MB", "1.5TB"' in msg and '"80%"' in msg and "KiB" in msg
+
+
+@pytest.mark.parametrize("bad,why", [(0, "below the arena's granularity"), ("100B", "below the arena's granularity"),
+                                     ("0%", "a percentage must be in"), ("150%", "a percentage must be in")])
+def test_budgets_out_of_range(bad, why):
+    with pytest.raises(ValueError, match=why):
+        parse_budget(bad)
+
+
+def test_budget_scope_restores_plain_pytorch():
+    x = torch.ones(1000)
+    with pymem.budget("4MiB") as rt:
+        assert pymem.is_enabled() and rt.budget == 4 << 20
+        y = x * 2
+        pymem.evict(y)
+        assert pymem.is_evicted(y)
+    assert not pymem.is_enabled()
+    assert torch.equal(y, torch.full((1000,), 2.0))  # restored on the way out
+    assert pymem.memory_stats()["budget_bytes"] == 4 << 20  # the last run's stats stay readable
+
+
+def test_budget_scope_inside_enable_is_an_error():
+    pymem.enable("4MiB")
+    try:
+        with pytest.raises(RuntimeError, match="cannot be used while pymem is already enabled"):
+            with pymem.budget("4MiB"):
+                pass
+        assert pymem.is_enabled()
+    finally:
+        pymem.disable()
+
+
+def test_stats_and_summary_after_a_small_run():
+    with pymem.budget("3MiB"):
+        pymem.reset_peak_memory_stats()
+        w = torch.randn(128, 128, requires_grad=True)
+        x = torch.randn(512, 128)
+        for _ in range(12):  # 12 saved 256 KiB activations and more do not fit in 3 MiB
+            x = torch.tanh(x @ w)
+        x.sum().backward()
+        s = pymem.memory_stats()
+        summary = pymem.memory_summary()
+    for key in ("allocated_bytes.current", "allocated_bytes.peak", "budget_bytes", "num_evictions",
+                "num_rematerializations", "remat_seconds", "num_compactions", "moved_bytes",
+                "fragmentation.largest_free"):
+        assert key in s
+    assert s["budget_bytes"] == 3 << 20 and 0 < s["allocated_bytes.peak"] <= s["budget_bytes"]
+    assert s["num_evictions"] > 0 and s["num_rematerializations"] > 0 and s["remat_seconds"] > 0
+    assert pymem.max_memory_allocated() == s["allocated_bytes.peak"]
+    assert "budget" in summary and "3.0 MiB" in summary and f"{s['num_evictions']} (" in summary
+
+
+def test_logging_is_silent_by_default_and_reports_when_asked(caplog, capsys):
+    with pymem.budget("1MiB"):
+        pass
+    assert capsys.readouterr().err == ""
+    with caplog.at_level(logging.INFO, logger="pymem"):
+        with pymem.budget("1MiB"):
+            pass
+    assert any("pymem enabled: budget 1048576 B" in r.message for r in caplog.records)
+    assert any("pymem disabled" in r.message for r in caplog.records)
