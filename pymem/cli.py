@@ -1,7 +1,10 @@
 """The `pymem` command (also `python -m pymem`).
 
-  pymem demo   train a small GPT-style model on CPU twice, unmanaged and with every tensor served
-               from a pymem arena, and show the arena's figures and that the losses match bitwise
+  pymem demo   train a small GPT-style model on CPU twice, unmanaged and under pymem with a budget
+               of 50% of its peak, and show peak, budget, slowdown, evictions and that the losses
+               and parameters match bitwise
+  pymem run    pymem run --budget 2GB [--policy P] -- script.py args...: the script under pymem,
+               a memory summary at exit
   pymem info   version, build, CUDA library, device memory
 """
 import argparse
@@ -42,6 +45,8 @@ def cmd_info(args) -> int:
 
 
 def cmd_demo(args) -> int:
+    import time
+
     import torch
 
     import pymem
@@ -51,53 +56,72 @@ def cmd_demo(args) -> int:
     steps = args.steps
     print(f"pymem demo: TinyGPT (4 layers, d=128, batch {args.batch} x seq {args.seq}), {steps} Adam steps on CPU")
 
-    step = gpt_trainer(batch=args.batch, seq=args.seq)
-    ref = [step() for _ in range(steps)]
-    ref_params = [p.detach().clone() for p in step.model.parameters()]
-    del step
-
-    # Size the arena from a measuring run: everything the run allocates, plus 10% headroom.
+    # Unmanaged, with the allocations counted by a plain arena (no eviction) to learn the peak.
     probe = pymem.Arena(8 << 30, small_threshold=0)
     pymem.install_cpu_hook(probe)
     try:
-        s = gpt_trainer(batch=args.batch, seq=args.seq)
-        for _ in range(steps):
-            s()
-        del s
-    finally:
-        pymem.uninstall_cpu_hook()
-    peak = probe.stats()["allocated_bytes.peak"]
-    budget = (int(peak * 1.10) + 511) // 512 * 512
-
-    arena = pymem.Arena(budget)
-    pymem.install_cpu_hook(arena)
-    try:
         step = gpt_trainer(batch=args.batch, seq=args.seq)
-        got = [step() for _ in range(steps)]
-        params = [p.detach().clone() for p in step.model.parameters()]
+        t0 = time.perf_counter()
+        ref = [step() for _ in range(steps)]
+        plain_s = time.perf_counter() - t0
+        ref_params = [p.detach().clone() for p in step.model.parameters()]
         del step
     finally:
         pymem.uninstall_cpu_hook()
-    st = arena.stats()
+    peak = probe.stats()["allocated_bytes.peak"]
+    budget = int(peak * args.ratio)
+
+    with pymem.budget(budget):
+        step = gpt_trainer(batch=args.batch, seq=args.seq)
+        t0 = time.perf_counter()
+        got = [step() for _ in range(steps)]
+        managed_s = time.perf_counter() - t0
+        params = [p.detach().clone() for p in step.model.parameters()]
+        del step
+        st = pymem.memory_stats()
 
     same = got == ref and all(torch.equal(a, b) for a, b in zip(params, ref_params))
     print(f"  losses (unmanaged): {', '.join(f'{x:.6f}' for x in ref)}")
-    print(f"  losses (arena):     {', '.join(f'{x:.6f}' for x in got)}")
+    print(f"  losses (pymem):     {', '.join(f'{x:.6f}' for x in got)}")
     print(f"  bitwise equal (losses and parameters): {'yes' if same else 'NO'}")
-    print(f"  budget {_fmt(budget)}; arena peak {_fmt(st['allocated_bytes.peak'])} "
-          f"({st['allocated_bytes.peak'] / budget:.1%} of the budget, never above it)")
-    print(f"  {st['num_allocs']} allocations, {st['num_frees']} frees, "
-          f"fragmentation now {st['fragmentation.largest_free']:.1%} (1 - largest free / free)")
+    print(f"  unmanaged peak {_fmt(peak)}; budget {_fmt(st['budget_bytes'])} ({args.ratio:.0%} of it); "
+          f"pymem peak {_fmt(st['allocated_bytes.peak'])} (never above the budget)")
+    print(f"  {st['num_evictions']} evictions, {st['num_rematerializations']} rematerializations "
+          f"({st['remat_seconds']:.2f} s), {st['num_compactions']} compactions")
+    print(f"  slowdown {managed_s / plain_s:.2f}x ({managed_s:.2f} s vs {plain_s:.2f} s unmanaged)")
+    ok = same and st["allocated_bytes.peak"] <= st["budget_bytes"]
+    return 0 if ok else 1
+
+
+def cmd_run(args) -> int:
+    import runpy
+
+    import pymem
+
+    script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    if not script:
+        print("pymem run: no script given; usage: pymem run --budget 2GB [--policy P] -- script.py [args...]",
+              file=sys.stderr)
+        return 2
+    if not os.path.isfile(script[0]):
+        print(f"pymem run: cannot open script {script[0]!r}: no such file", file=sys.stderr)
+        return 2
     try:
-        pymem.install_cpu_hook(pymem.Arena((budget // 4 + 511) // 512 * 512))
-        gpt_trainer(batch=args.batch, seq=args.seq)()
-        print("  a quarter of the budget: no error?!")
-        same = False
-    except pymem.OutOfBudgetError as e:
-        print(f"  a quarter of the budget without eviction: {type(e).__name__}: {str(e)[:110]}...")
+        pymem.enable(args.budget, policy=args.policy, device=args.device)
+    except ValueError as e:
+        print(f"pymem run: {e}", file=sys.stderr)
+        return 2
+    sys.argv = list(script)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
+    code = 0
+    try:
+        runpy.run_path(script[0], run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
-        pymem.uninstall_cpu_hook()
-    return 0 if same else 1
+        pymem.disable()
+        print(pymem.memory_summary(), file=sys.stderr, end="")
+    return code
 
 
 def main(argv=None) -> int:
@@ -108,7 +132,14 @@ def main(argv=None) -> int:
     d.add_argument("--steps", type=int, default=3)
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--seq", type=int, default=128)
+    d.add_argument("--ratio", type=float, default=0.5, help="budget as a share of the unmanaged peak")
     d.set_defaults(fn=cmd_demo)
+    r = sub.add_parser("run", help="run a script under pymem: pymem run --budget 2GB -- script.py args...")
+    r.add_argument("--budget", required=True, help='e.g. "20GB", "20GiB", "512MB", "80%%", or bytes')
+    r.add_argument("--policy", default="dtr")
+    r.add_argument("--device", default=None)
+    r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
+    r.set_defaults(fn=cmd_run)
     i = sub.add_parser("info", help="version, build, CUDA library, device memory")
     i.set_defaults(fn=cmd_info)
     args = ap.parse_args(argv)
