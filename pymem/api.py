@@ -5,6 +5,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from . import snapshot
 from .budget import parse_budget
 from .runtime import Runtime
 
@@ -151,3 +152,22 @@ def memory_summary() -> str:
     lines = ["pymem memory summary", "-" * (width + 30)]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines) + "\n"
+
+
+def record_memory_history(enabled: bool = True, max_entries: int = 100_000) -> None:
+    """Opt in to recording evictions, rematerializations and compaction moves for ``memory_snapshot``."""
+    snapshot.record_memory_history(enabled, max_entries)
+
+
+def memory_snapshot() -> dict:
+    """The arena's blocks (and the recorded history) in ``torch.cuda.memory._snapshot()``'s format."""
+    if _current is None:
+        raise RuntimeError("pymem is not enabled: there is no arena to snapshot")
+    return snapshot.memory_snapshot(_current.arena)
+
+
+def dump_snapshot(path: str) -> None:
+    """Pickle ``memory_snapshot()`` to ``path`` for ``python -m torch.cuda._memory_viz``."""
+    if _current is None:
+        raise RuntimeError("pymem is not enabled: there is no arena to snapshot")
+    snapshot.dump_snapshot(_current.arena, path)

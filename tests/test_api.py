@@ -91,3 +91,40 @@ def test_logging_is_silent_by_default_and_reports_when_asked(caplog, capsys):
             pass
     assert any("pymem enabled: budget 1048576 B" in r.message for r in caplog.records)
     assert any("pymem disabled" in r.message for r in caplog.records)
+
+
+def test_snapshot_opens_in_torch_memory_viz(tmp_path):
+    from torch.cuda import _memory_viz as viz
+
+    pymem.record_memory_history(True)
+    try:
+        with pymem.budget("3MiB"):
+            w = torch.randn(128, 128, requires_grad=True)
+            x = torch.randn(512, 128)
+            for _ in range(12):
+                x = torch.tanh(x @ w)
+            x.sum().backward()
+            snap = pymem.memory_snapshot()
+            path = tmp_path / "snap.pickle"
+            pymem.dump_snapshot(str(path))
+    finally:
+        pymem.record_memory_history(False)
+    seg = snap["segments"][0]
+    assert seg["total_size"] + snap["segments"][1]["total_size"] == 3 << 20
+    assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
+    names = [e["frames"][0]["name"] for e in snap["device_traces"][0]]
+    assert any(n.startswith("pymem evict") for n in names)
+    assert any(n.startswith("pymem rematerialize") for n in names)
+    assert "entries" in viz.trace(snap) and "segment" in viz.segsum(snap)
+    assert "<html" in viz.trace_plot(snap).lower()
+    import pickle
+    with open(path, "rb") as f:
+        assert pickle.load(f)["segments"][0]["total_size"] == seg["total_size"]
+    import subprocess
+    import sys
+    out = tmp_path / "out.html"
+    p = subprocess.run([sys.executable, "-m", "torch.cuda._memory_viz", "trace_plot", str(path), "-o", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and out.stat().st_size > 1000, p.stderr
+    with pytest.raises(RuntimeError, match="pymem is not enabled"):
+        pymem.memory_snapshot()

@@ -17,7 +17,16 @@ budget instead (a caching allocator's fragmentation) are not an option under a h
 import math
 from typing import Dict, List, Optional, Tuple
 
+from .. import snapshot as _snap
 from .records import Record
+
+
+def _relocate(movable: Dict[int, tuple], old: int, new: int) -> None:
+    r, sref, _ = movable[old]
+    sref.relocate(new)
+    if _snap.recording():
+        _snap.record("free_completed", old, r.nbytes, f"pymem compact {r.op} (moved out)")
+        _snap.record("alloc", new, r.nbytes, f"pymem compact {r.op} (moved in)")
 
 
 class _Segment:
@@ -149,14 +158,14 @@ def compact_for(rt, request: int) -> bool:
     keep = [movable[a][1].strong() for a, _ in seg.movable]  # nothing moved may die mid-move
     for old, new in moves:
         arena.move_block(old, new)
-        movable[old][1].relocate(new)
+        _relocate(movable, old, new)
     for r in victims:
         rt.release(r)
     released = {id(r) for r in victims}
     addrs = [a for a, _ in seg.movable if a not in gone and id(movable[a][0]) not in released]
     slid = arena.compact(addrs)
     for old, new in slid:
-        movable[old][1].relocate(new)
+        _relocate(movable, old, new)
     del keep
     return bool(moves or victims or slid)
 
@@ -168,6 +177,6 @@ def defragment(rt) -> bool:
     keep = [m[1].strong() for m in movable.values()]
     slid = rt.arena.compact(sorted(movable))
     for old, new in slid:
-        movable[old][1].relocate(new)
+        _relocate(movable, old, new)
     del keep
     return bool(slid)

@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _C
+from .. import snapshot as _snap
 from ..errors import OutOfBudgetError
 from ..policies import EvictedNeighbourhood, Policy, get_policy
 from . import compaction, remat
@@ -146,6 +147,9 @@ class Runtime:
     # ------------------------------------------------------------------ release / restore
     def release(self, r: Record) -> None:
         """Free one value's buffer now (it stays recomputable)."""
+        if _snap.recording():
+            s = self.cache[r][0] if r in self.cache else r.sref
+            _snap.record("free_completed", s.data_ptr, r.nbytes, f"pymem evict {r.op}")
         if r in self.cache:
             self.evicted_bytes += r.nbytes
             del self.cache[r]
@@ -161,11 +165,15 @@ class Runtime:
             self.neighbourhood.on_evict(r.id, r.compute_cost, r.neighbour_ids())
 
     def add_cached(self, r: Record, sref, tensor) -> None:
+        if _snap.recording():
+            _snap.record("alloc", sref.data_ptr, r.nbytes, f"pymem rematerialize {r.op}")
         r.last_access = self.clock
         self.cache[r] = (sref, tensor)
         self.neighbourhood_forget(r)
 
     def on_rematerialized(self, r: Record) -> None:
+        if _snap.recording():
+            _snap.record("alloc", r.sref.data_ptr, r.nbytes, f"pymem rematerialize {r.op}")
         r.last_access = self.clock
         self.neighbourhood_forget(r)
 
