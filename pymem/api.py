@@ -124,7 +124,8 @@ def is_evicted(tensor: torch.Tensor) -> bool:
     return _current is not None and _current.is_evicted(tensor)
 
 
-def _fmt(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units), for summaries and the CLI."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
@@ -138,13 +139,13 @@ def memory_summary() -> str:
     if not s:
         return "pymem: not enabled and never was in this process\n"
     rows = [
-        ("budget", _fmt(s["budget_bytes"])),
-        ("allocated now / peak", f"{_fmt(s['allocated_bytes.current'])} / {_fmt(s['allocated_bytes.peak'])}"),
+        ("budget", format_bytes(s["budget_bytes"])),
+        ("allocated now / peak", f"{format_bytes(s['allocated_bytes.current'])} / {format_bytes(s['allocated_bytes.peak'])}"),
         ("peak / budget", f"{s['allocated_bytes.peak'] / s['budget_bytes']:.1%}"),
         ("ops seen", str(s.get("num_ops", 0))),
-        ("evictions (bytes)", f"{s.get('num_evictions', 0)} ({_fmt(s.get('evicted_bytes', 0))})"),
+        ("evictions (bytes)", f"{s.get('num_evictions', 0)} ({format_bytes(s.get('evicted_bytes', 0))})"),
         ("rematerializations (s)", f"{s.get('num_rematerializations', 0)} ({s.get('remat_seconds', 0.0):.3f} s)"),
-        ("compactions (moved)", f"{s.get('num_compactions', 0)} ({_fmt(s.get('moved_bytes', 0))})"),
+        ("compactions (moved)", f"{s.get('num_compactions', 0)} ({format_bytes(s.get('moved_bytes', 0))})"),
         ("pressure events", str(s.get("num_pressure_events", 0))),
         ("fragmentation now", f"{s.get('fragmentation.largest_free', 0.0):.1%} (1 - largest free / free)"),
     ]

@@ -11,13 +11,7 @@ import argparse
 import os
 import sys
 
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
+from .api import format_bytes as _fmt
 
 
 def cmd_info(args) -> int:

@@ -146,6 +146,14 @@ def plan(rt, request: int, movable: Dict[int, tuple]):
     return best
 
 
+def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
+    """arena.compact(addrs) and repoint the moved storages. True when something moved."""
+    slid = rt.arena.compact(addrs)
+    for old, new in slid:
+        _relocate(movable, old, new)
+    return bool(slid)
+
+
 def compact_for(rt, request: int) -> bool:
     """Release and move so that ``request`` fits in one block; False when no segment can hold it."""
     movable = movable_blocks(rt)
@@ -153,30 +161,29 @@ def compact_for(rt, request: int) -> bool:
     if chosen is None:
         return False
     seg, moves, victims = chosen
-    arena = rt.arena
-    gone = {a for a, _ in moves}
     keep = [movable[a][1].strong() for a, _ in seg.movable]  # nothing moved may die mid-move
     for old, new in moves:
-        arena.move_block(old, new)
+        rt.arena.move_block(old, new)
         _relocate(movable, old, new)
     for r in victims:
         rt.release(r)
-    released = {id(r) for r in victims}
-    addrs = [a for a, _ in seg.movable if a not in gone and id(movable[a][0]) not in released]
-    slid = arena.compact(addrs)
-    for old, new in slid:
-        _relocate(movable, old, new)
+    moved_out, released = {a for a, _ in moves}, {id(r) for r in victims}
+    slid = _slide(rt, movable, [a for a, _ in seg.movable
+                                if a not in moved_out and id(movable[a][0]) not in released])
     del keep
     return bool(moves or victims or slid)
 
 
-def defragment(rt) -> bool:
-    """Slide every block that may move now up against the next one that may not (with nothing
-    running, that leaves the free bytes in one block). True when something moved."""
-    movable = movable_blocks(rt)
-    keep = [m[1].strong() for m in movable.values()]
-    slid = rt.arena.compact(sorted(movable))
-    for old, new in slid:
-        _relocate(movable, old, new)
-    del keep
-    return bool(slid)
+def defragment_after_failure(rt) -> bool:
+    """The innermost running kernel (``rt.running[-1]``) ran out of budget and exited, leaving no
+    trace: with its inputs movable too, slide every block that may move up against the next one that
+    may not. True when something moved (then running it again may fit)."""
+    entry = rt.running.pop()
+    try:
+        movable = movable_blocks(rt)
+        keep = [m[1].strong() for m in movable.values()]
+        moved = _slide(rt, movable, sorted(movable))
+        del keep
+        return moved
+    finally:
+        rt.running.append(entry)

@@ -162,14 +162,7 @@ def _recompute(rt, r: Record) -> None:
             out = _call(rc, args, kwargs)
         except OutOfBudgetError:
             # A functional recompute left no trace: compact with its inputs movable, run it again.
-            if any(a.mutated for a in rc.refs):
-                raise
-            entry = rt.running.pop()
-            try:
-                moved = compaction.defragment(rt)
-            finally:
-                rt.running.append(entry)
-            if not moved:
+            if any(a.mutated for a in rc.refs) or not compaction.defragment_after_failure(rt):
                 raise
             out = _call(rc, args, kwargs)
         rt.stats_remat(time.perf_counter() - t0)

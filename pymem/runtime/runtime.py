@@ -258,7 +258,7 @@ class Runtime:
                         else:
                             recomputable = False
             rng = None
-            if info.seeded:
+            if info.seeded and (recomputable or (info.pure and not info.mutated)):  # replay, or retry
                 gen = kwargs.get("generator") or torch.default_generator
                 rng = (gen, gen.get_state())
             t0 = _perf()
@@ -335,12 +335,7 @@ class Runtime:
         the whole arena into one free block and run it once more."""
         if info.mutated or not info.pure:
             raise self._op_error(info.name, recs, e) from None
-        running = self.running.pop()  # the kernel has exited: its inputs may move
-        try:
-            moved = compaction.defragment(self)
-        finally:
-            self.running.append(running)
-        if not moved:
+        if not compaction.defragment_after_failure(self):
             raise self._op_error(info.name, recs, e) from None
         if rng is not None:
             rng[0].set_state(rng[1])  # replay from the same generator state, as if it ran once
