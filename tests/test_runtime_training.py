@@ -172,21 +172,7 @@ def check_budget(stats, budget):
     assert stats["remat_seconds"] >= 0.0
 
 
-# Known gap (issue 3 stays open): backward through a long recurrence (16 LSTM steps, 6 view blocks
-# with in-place chains) restores a deep recompute chain, and the inputs held along it do not fit in
-# these budgets even after compaction (see remat._build). They must still never give a wrong value:
-# only OutOfBudgetError is an expected failure, any other (a bitwise mismatch) fails the test.
-_DEEP_CHAINS = {("lstm", 0.5), ("lstm", 0.3), ("views", 0.5), ("views", 0.3)}
-
-
-def _case(name, ratio):
-    if (name, ratio) in _DEEP_CHAINS:
-        return pytest.param(name, ratio, marks=pytest.mark.xfail(
-            raises=pymem.OutOfBudgetError, strict=False, reason="deep recompute chain does not fit the budget"))
-    return pytest.param(name, ratio)
-
-
-@pytest.mark.parametrize("name,ratio", [_case(n, r) for n in rm.NAMES for r in RATIOS])
+@pytest.mark.parametrize("name,ratio", [(n, r) for n in rm.NAMES for r in RATIOS])
 def test_training_is_bitwise_equal_under_budget(managed, name, ratio):
     ref = reference(name)
     budget = budget_for(name, ratio)

@@ -93,7 +93,7 @@ def _segments(rt, movable: Dict[int, tuple]) -> List[_Segment]:
         seg.movable.append((b.addr, b.size))
         if m[2]:  # waited-on inputs of a pending recompute go last
             r = m[0]
-            seg.releasable.append(((r.waits > 0, r.wait_depth, evaluate(r, now)), r, b.addr, b.size))
+            seg.releasable.append(((r.waits > 0, r.need_rank, evaluate(r, now)), r, b.addr, b.size))
     return segments
 
 

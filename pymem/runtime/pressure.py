@@ -61,7 +61,7 @@ class PressureHandler:
         if best is None:  # only inputs a pending recompute waits for: the one needed last goes
             best_key = (math.inf, math.inf)
             for r, _ in self._candidates(waiting=True):
-                k = (r.wait_depth, evaluate(r, now))
+                k = (r.need_rank, evaluate(r, now))
                 if k < best_key:
                     best, best_key = r, k
         if best is None:

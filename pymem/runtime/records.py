@@ -63,7 +63,7 @@ class Recipe:
 class Record:
     """One value of one alias pool; read by policies through the TensorView attributes."""
 
-    __slots__ = ("id", "sref", "nbytes", "compute_cost", "last_access", "recipe", "locks", "waits", "wait_depth", "evicted",
+    __slots__ = ("id", "sref", "nbytes", "compute_cost", "last_access", "recipe", "locks", "waits", "need_rank", "evicted",
                  "in_arena", "children", "lost", "op", "rt", "__weakref__")
 
     def __init__(self, rt, sref, nbytes: int, cost: float, now: float, recipe: Optional[Recipe], op,
@@ -77,7 +77,7 @@ class Record:
         self.recipe = recipe        # None: a leaf, never evicted
         self.locks = 0              # > 0: a running op reads it; never released
         self.waits = 0              # > 0: a pending recompute needs it; released only as a last resort
-        self.wait_depth = 0         # deepest restore-stack level waiting for it (needed soonest)
+        self.need_rank = 0          # how soon a pending restore reads it (higher: sooner)
         self.evicted = False        # the storage is alive but its buffer was released by us
         self.in_arena = in_arena
         self.children: List[Any] = []  # weakrefs to records whose recipes read this value

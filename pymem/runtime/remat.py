@@ -1,11 +1,10 @@
-"""Rematerialization: make evicted values resident again, with an explicit stack (chains are deep),
-and invalidate recipes whose leaf input is about to be overwritten.
+"""Rematerialization: make evicted values resident again by replaying their missing ancestry forward
+(no recursion: chains are deep), and invalidate recipes whose leaf input is about to be overwritten.
 
 Values recomputed only as inputs of others (their storage is dead: no user tensor holds them) are
 kept in ``rt.cache`` as ordinary evictable values, so restoring a run of neighbours (backward through
 an evicted region) does not recompute the shared chain again for each one.
 """
-import math
 import time
 from typing import Iterable, List
 
@@ -16,91 +15,132 @@ from ..errors import OutOfBudgetError
 from . import compaction
 from .records import Record, Slot
 
-_THRASH_LIMIT = 1_000_000  # deepest recompute chain we follow
-_THRASH_FACTOR = 4         # a soft restore's recomputes per record in the table
+_THRASH_FACTOR = 4   # a restore's recomputes per value it could need, before it gives up
+_NESTING_LIMIT = 200  # nested restores (each one: a value released while a restore still needed it)
+
+
+class _Budget:
+    """Recompute count of one top-level restore: one that keeps recomputing what pressure took back
+    from it is thrashing, and raises instead of looping."""
+
+    __slots__ = ("target", "count", "limit")
+
+    def __init__(self, rt, target: Record) -> None:
+        self.target, self.count = target, 0
+        self.limit = _THRASH_FACTOR * (len(rt.table) + len(rt.cache) + 64)
+
+    def tick(self) -> None:
+        self.count += 1
+        if self.count > self.limit:
+            t = self.target
+            raise OutOfBudgetError(
+                f"pymem: restoring {t.op} ({t.nbytes} B) thrashes: {self.count} recomputes and counting, each "
+                f"releasing values the restore still needs. Raise the budget.")
 
 
 def restore(rt, records: Iterable[Record]) -> None:
     """Make every record resident in its own storage (recomputing what is missing)."""
-    for r in records:
-        if not rt.is_available(r):
-            try:
-                _build(rt, r, soft=False)
-            except OutOfBudgetError:  # what it restored stays; the waiting inputs did not fit at once
-                _build(rt, r, soft=True)
+    targets = [r for r in records if not rt.is_available(r)]
+    if targets:
+        _replay(rt, targets, _Budget(rt, targets[0]), rank_base=1, nesting=0)
 
 
-def _build(rt, target: Record, soft: bool) -> None:
-    """Recompute ``target`` and whatever it needs, depth first on an explicit stack.
+def _plan(rt, targets: List[Record]) -> List[Record]:
+    """Every unavailable value the targets need, in creation order (a topological order: a recipe
+    only reads values that existed before its output)."""
+    need = {}
+    stack = list(targets)
+    while stack:
+        r = stack.pop()
+        if r.id in need or rt.is_available(r):
+            continue
+        if r.recipe is None:
+            raise RuntimeError(f"pymem: {r.op} output ({r.nbytes} B) is needed again but cannot be "
+                               f"recomputed: {r.lost or 'it has no recipe and its storage is gone'}")
+        need[r.id] = r
+        stack.extend(r.recipe.input_records())
+    return sorted(need.values(), key=_creation)
 
-    While a record waits on the stack, its available inputs are held for it. ``soft=False``: locked,
-    so the pressure handler cannot release them and every recompute is progress — or the budget is
-    too small and an allocation raises OutOfBudgetError. A long chain whose waiting inputs do not all
-    fit at once is then retried with ``soft=True``: held inputs are only marked (``waits``) and
-    released when nothing else is left, those of the shallowest level first (needed last, after the
-    chain below is back); one released this way is recomputed on the way up. A soft restore that
-    keeps recomputing what it released (over ``_THRASH_FACTOR`` recomputes per record in the table)
-    raises OutOfBudgetError instead of looping.
+
+def _creation(r: Record) -> int:
+    return r.id
+
+
+def _replay(rt, targets: List[Record], budget: _Budget, rank_base: int, nesting: int) -> None:
+    """Recompute the targets' missing ancestry forward, in creation order, as the original run did.
+
+    Replaying forward keeps only values with a pending reader alive: for a chain (a recurrence,
+    backward through many layers) that is a few values, where a depth-first walk from the target
+    holds each level's inputs until the level below is back. Nothing is locked beyond the op that
+    runs: a value a later step reads ``waits`` (released only when nothing else is left), ranked by
+    how soon it is read (Belady: the one read last goes first). A value released anyway is restored
+    by a nested replay when its reader's turn comes, with the reader's other inputs locked.
     """
-    stack: List[Record] = [target]
-    held = {}  # record id -> (set of held input ids, list of them)
-    recomputes, limit = 0, _THRASH_FACTOR * (len(rt.table) + 64) if soft else math.inf
+    if nesting > _NESTING_LIMIT:
+        t = budget.target
+        raise OutOfBudgetError(f"pymem: restoring {t.op} ({t.nbytes} B) thrashes: {nesting} nested restores, "
+                               f"each for a value released while still needed. Raise the budget.")
+    order = _plan(rt, targets)
+    n = len(order)
+    reads = {}  # value id -> [value, positions of the plan's steps that read it, index of the next]
+    for i, r in enumerate(order):
+        for a in r.recipe.input_records():
+            e = reads.get(a.id)
+            if e is None:
+                reads[a.id] = [a, [i], 0]
+            elif e[1][-1] != i:
+                e[1].append(i)
+    for r in targets:  # read by the caller, after the last step
+        if r.id not in reads:
+            reads[r.id] = [r, [n], 0]
+    for a, pos, _ in reads.values():
+        a.waits += 1
+        _rank(a, rank_base + n - pos[0])
     try:
-        while stack:
-            r = stack[-1]
-            if rt.is_available(r):
-                stack.pop()
-                _unlock(held.pop(r.id, None))
-                continue
-            if r.recipe is None:
-                raise RuntimeError(f"pymem: {r.op} output ({r.nbytes} B) is needed again but cannot be "
-                                   f"recomputed: {r.lost or 'it has no recipe and its storage is gone'}")
-            inputs = r.recipe.input_records()
-            h = held.get(r.id)
-            if h is None:
-                h = held[r.id] = (set(), [], soft)
-            missing = []
-            for a in inputs:
-                if rt.is_available(a):
-                    if a.id not in h[0]:
-                        h[0].add(a.id)
-                        h[1].append(a)
-                        if not soft:
-                            a.locks += 1
-                            continue
-                        a.waits += 1
-                        if len(stack) > a.wait_depth:
-                            a.wait_depth = len(stack)
-                elif a not in missing:  # again, if it was released while r waited
-                    missing.append(a)
-            if missing:
-                if len(stack) > _THRASH_LIMIT:
-                    raise RuntimeError(f"pymem: the recompute chain of {r.op} is deeper than {_THRASH_LIMIT}")
-                stack.extend(missing)
-                continue
-            stack.pop()
-            recomputes += 1
-            if recomputes > limit:
-                raise OutOfBudgetError(
-                    f"pymem: restoring {target.op} ({target.nbytes} B) thrashes: {recomputes} recomputes and "
-                    f"counting, each releasing inputs another one still waits for. Raise the budget.")
-            _recompute(rt, r)
-            _unlock(held.pop(r.id, None))
+        for i, r in enumerate(order):
+            if not rt.is_available(r):
+                inputs = r.recipe.input_records()
+                while True:
+                    missing = [a for a in inputs if not rt.is_available(a)]
+                    if not missing:
+                        break
+                    held = [a for a in inputs if rt.is_available(a)]
+                    for a in held:
+                        a.locks += 1
+                    try:
+                        _replay(rt, missing, budget, rank_base + n + 1, nesting + 1)
+                    finally:
+                        for a in held:
+                            a.locks -= 1
+                budget.tick()
+                _recompute(rt, r)
+            for a in r.recipe.input_records():  # this step's read is done
+                e = reads.get(a.id)
+                if e is None or e[1][e[2]] != i:
+                    continue
+                e[2] += 1
+                if e[2] == len(e[1]):
+                    del reads[a.id]
+                    _unwait(a)
+                else:
+                    _rank(a, rank_base + n - e[1][e[2]])
+        lost = [r for r in targets if not rt.is_available(r)]
+        if lost:  # released by the last steps' pressure before the caller could lock them
+            _replay(rt, lost, budget, rank_base + n + 1, nesting + 1)
     finally:
-        for h in held.values():
-            _unlock(h)
+        for a, _, _ in reads.values():
+            _unwait(a)
 
 
-def _unlock(h) -> None:
-    if h:
-        if not h[2]:
-            for a in h[1]:
-                a.locks -= 1
-            return
-        for a in h[1]:
-            a.waits -= 1
-            if not a.waits:
-                a.wait_depth = 0
+def _rank(a: Record, rank: int) -> None:
+    """How soon a pending restore reads ``a`` (higher: sooner); the only waiter sets it."""
+    a.need_rank = rank if a.waits == 1 or rank > a.need_rank else a.need_rank
+
+
+def _unwait(a: Record) -> None:
+    a.waits -= 1
+    if not a.waits:
+        a.need_rank = 0
 
 
 class _Base:

@@ -22,7 +22,6 @@ _StorageRef = _C.StorageRef
 _alias = _C.alias_tensor
 _perf = time.perf_counter
 _grad_enabled = torch.is_grad_enabled
-_graph_task_id = torch._C._current_graph_task_id
 _SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its recipe up to this size
 
 
@@ -230,10 +229,13 @@ class Runtime:
             if evicted:
                 remat.restore(self, evicted)
             self.running.append(recs)
-            # State updates (optimizer steps, parameter init, running averages) run under no_grad
-            # outside the autograd engine: their outputs are state, never recomputed (they are the
-            # leaves of the next step), so no recipe chain can grow from one step to the next.
-            recomputable = managed and info.pure and (_grad_enabled() or _graph_task_id() != -1)
+            # Only ops autograd records (the forward pass) get recipes. State updates (optimizer steps,
+            # parameter init, running averages) run under no_grad: their outputs are the next step's
+            # leaves. So do backward ops (the engine runs them without grad): gradients are leaves
+            # from birth, as the leaf list has it. A gradient's recipe would replay the
+            # backward pass down from the loss — a chain as deep as the model, recomputed for a value
+            # the engine frees a few ops later anyway.
+            recomputable = managed and info.pure and _grad_enabled()
             snapshots = None
             mut_recs = mut_slots = None
             if info.mutated:
