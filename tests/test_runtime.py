@@ -190,3 +190,25 @@ def test_scattered_leaves_are_moved_to_fit_a_large_request(managed):
     for i in range(4):
         assert torch.equal(leaves[i], torch.full((n,), float(i)))
         assert torch.equal(acts[i], x * (i + 2))
+
+
+def test_bookkeeping_stays_bounded_over_many_steps(managed):
+    """Values that die are forgotten: the table and DTR's evicted neighbourhood do not grow with the
+    number of training steps (a long run must not leak host memory). Both are swept periodically,
+    so their sizes are sawtooth: compare the peaks of two windows of 150 steps."""
+    torch.manual_seed(0)
+    rt = pymem.enable(768 << 10)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(512, 64)
+    early, late = [0, 0], [0, 0]
+    for step in range(400):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        if step >= 100:
+            w = early if step < 250 else late
+            w[0], w[1] = max(w[0], len(rt.table)), max(w[1], len(rt.neighbourhood))
+    assert rt.num_evictions > 400, "the budget must force evictions every step"
+    assert late[0] <= early[0] + 64, (early, late)
+    assert late[1] <= 1.25 * early[1] + 64, (early, late)

@@ -39,6 +39,10 @@ class EvictedNeighbourhood:
         self._cost[a] += self._cost[b]
         return a
 
+    def __len__(self) -> int:
+        """Nodes allocated (evicted keys plus the stale nodes of rematerialized ones)."""
+        return len(self._parent)
+
     def is_evicted(self, key: Hashable) -> bool:
         return key in self._node
 

@@ -2,6 +2,7 @@
 TorchDispatchMode that records every aten op's outputs, restores evicted inputs before an op runs,
 and lets the policy release values when the arena is under pressure."""
 import time
+import weakref
 from typing import Dict, List, Optional
 
 import torch
@@ -82,6 +83,9 @@ class Runtime:
         self.running: List[list] = []
         self._small = self.arena.small_threshold
         self.neighbourhood = EvictedNeighbourhood()
+        # Records in the neighbourhood, weakly: one no recipe needs any more dies, and the next
+        # rebuild leaves it out (union-find cannot delete, so it is rebuilt when mostly stale).
+        self.gone: "weakref.WeakValueDictionary[int, Record]" = weakref.WeakValueDictionary()
         self.table: Dict[int, Record] = {}   # storage key -> record of the storage's current value
         # Values recomputed only as inputs (no storage of their own): record -> (StorageRef, tensor).
         self.cache: Dict[Record, tuple] = {}
@@ -127,15 +131,21 @@ class Runtime:
         return r
 
     def sweep(self) -> None:
-        """Drop table entries whose storage died (their records live on only if a recipe needs them);
-        those values count as evicted for DTR's neighbourhood from now on."""
+        """Drop table entries whose storage died. A value some live recipe still reads counts as
+        evicted for DTR's neighbourhood from now on; one nothing reads is forgotten (banished)."""
         table = self.table  # mutated in place: run_op holds a reference across the op
         dead = [k for k, r in table.items() if not r.sref.alive]
         for k in dead:
             r = table.pop(k)
-            if r.recipe is not None:
+            if r.recipe is not None and any(w() is not None for w in r.children):
                 self.mark_gone(r)
         self._sweep_at = max(4096, 2 * len(table))
+        nb = self.neighbourhood
+        if len(nb) > 4 * (len(self.gone) + 64):
+            self.neighbourhood = EvictedNeighbourhood()
+            for r in sorted(self.gone.values(), key=lambda r: r.id):
+                if nb.is_evicted(r.id):
+                    self.neighbourhood.on_evict(r.id, r.compute_cost, r.neighbour_ids())
 
     def is_available(self, r: Record) -> bool:
         if r in self.cache:
@@ -162,6 +172,7 @@ class Runtime:
         """r's value left memory (evicted, or its last tensor died): it joins DTR's evicted neighbourhood."""
         if self.policy.uses_neighbourhood and not self.neighbourhood.is_evicted(r.id):
             self.neighbourhood.on_evict(r.id, r.compute_cost, r.neighbour_ids())
+            self.gone[r.id] = r
 
     def add_cached(self, r: Record, sref, tensor) -> None:
         if _snap.recording():
