@@ -12,7 +12,6 @@ tensor: parameters, inputs), or a blank (an input the op overwrites entirely, so
 never needed).
 """
 import itertools
-import weakref
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -110,9 +109,6 @@ class Record:
             if c is not None:
                 ids.append(c.id)
         return ids
-
-    def add_child(self, child: "Record") -> None:
-        self.children.append(weakref.ref(child))
 
     def __repr__(self) -> str:
         state = ("lost" if self.lost else "evicted" if self.evicted else

@@ -18,6 +18,7 @@ from .pressure import PressureHandler
 from .records import ArgRef, Recipe, Record, Slot
 
 _Tensor = torch.Tensor
+_weakref = weakref.ref
 _storage_key = _C.storage_key
 _StorageRef = _C.StorageRef
 _alias = _C.alias_tensor
@@ -45,14 +46,31 @@ def _gather(args, kwargs) -> List[_Tensor]:
     return out
 
 
-def _template(value, counter: List[int]):
-    """The argument structure with each tensor replaced by a Slot (same order as _gather)."""
-    if isinstance(value, _Tensor):
-        counter[0] += 1
-        return Slot(counter[0] - 1)
-    if value.__class__ is list or value.__class__ is tuple:
-        return type(value)(_template(x, counter) for x in value)
-    return value
+_SLOTS = [Slot(i) for i in range(256)]  # shared: a recipe's template allocates no Slot objects
+_NO_KWARGS: dict = {}
+
+
+def _record_id(r: Record) -> int:
+    return r.id
+
+
+def _slot(counter: List[int]) -> Slot:
+    i = counter[0]
+    counter[0] = i + 1
+    return _SLOTS[i] if i < 256 else Slot(i)
+
+
+def _template(values, counter: List[int]) -> list:
+    """``values`` with each tensor replaced by a Slot, in _gather's order (one level of lists)."""
+    out = []
+    for a in values:
+        if isinstance(a, _Tensor):
+            out.append(_slot(counter))
+        elif a.__class__ is list or a.__class__ is tuple:
+            out.append(a.__class__([_slot(counter) if isinstance(x, _Tensor) else x for x in a]))
+        else:
+            out.append(a)
+    return out
 
 
 class _Mode(TorchDispatchMode):
@@ -134,11 +152,16 @@ class Runtime:
         """Drop table entries whose storage died. A value some live recipe still reads counts as
         evicted for DTR's neighbourhood from now on; one nothing reads is forgotten (banished)."""
         table = self.table  # mutated in place: run_op holds a reference across the op
-        dead = [k for k, r in table.items() if not r.sref.alive]
-        for k in dead:
-            r = table.pop(k)
+        dead = [table.pop(k) for k in [k for k, r in table.items() if not r.sref.alive]]
+        dead.sort(key=_record_id)
+        while dead:  # youngest first: one dropped here no longer counts as a live reader of its inputs
+            r = dead.pop()
             if r.recipe is not None and any(w() is not None for w in r.children):
                 self.mark_gone(r)
+        r = None
+        for r in table.values():  # a leaf read every step (the batch) collects dead weakrefs
+            if len(r.children) > 64:
+                r.children = [w for w in r.children if w() is not None]
         self._sweep_at = max(4096, 2 * len(table))
         nb = self.neighbourhood
         if len(nb) > 4 * (len(self.gone) + 64):
@@ -301,8 +324,8 @@ class Runtime:
         if recomputable and (mut_recs or info.fresh_returns):
             refs = self._refs(info, ins, recs, mut_slots, snapshots)
             counter = [0]
-            targs = _template(args, counter)
-            tkw = {k: _template(v, counter) for k, v in kwargs.items()}
+            targs = tuple(_template(args, counter))
+            tkw = dict(zip(kwargs, _template(kwargs.values(), counter))) if kwargs else _NO_KWARGS
         if mut_recs:
             # Several storages written by one op (foreach, BatchNorm's running stats): recomputing one
             # would redo them all, so the written values become leaves; fresh outputs stay recomputable.
@@ -360,12 +383,13 @@ class Runtime:
     @staticmethod
     def _link(recs, new: Record) -> None:
         """Make ``new`` a child of every input record, leaves included: overwriting a leaf must find
-        (and invalidate) every recipe that read it."""
-        seen = set()
+        (and invalidate) every recipe that read it. One weakref, shared by all the lists."""
+        w = _weakref(new)
+        done = []
         for r in recs:
-            if r is not None and r.id not in seen:
-                seen.add(r.id)
-                r.add_child(new)
+            if r is not None and r not in done:
+                done.append(r)
+                r.children.append(w)
 
     def _refs(self, info, ins, recs, mut_slots, snapshots) -> List[ArgRef]:
         """How the recipe gets each tensor argument back (see ArgRef)."""
