@@ -9,6 +9,8 @@ import subprocess
 import sys
 
 from setuptools import find_packages, setup
+from setuptools.command.build_py import build_py
+from setuptools.command.editable_wheel import editable_wheel
 
 try:
     import torch  # noqa: F401
@@ -62,6 +64,40 @@ class BuildWithCudaLib(BuildExtension):
         subprocess.check_call(cmd)
 
 
+# The startup hook (pymem/_startup.py): one line Python runs at every start. It costs one environment
+# lookup, and imports pymem (and torch) only when PYMEM_BUDGET is set.
+STARTUP_PTH = "torch_pymem_startup.pth"
+STARTUP_LINE = "import os; os.environ.get('PYMEM_BUDGET') and __import__('pymem._startup')\n"
+
+
+def write_startup_pth(directory):
+    with open(os.path.join(directory, STARTUP_PTH), "w", encoding="utf-8") as f:
+        f.write(STARTUP_LINE)
+
+
+class BuildPyWithStartupHook(build_py):
+    """Regular wheels: the .pth goes to the root of build_lib, which installs into site-packages."""
+
+    def run(self):
+        super().run()
+        if not self.editable_mode:
+            write_startup_pth(self.build_lib)
+
+    def get_outputs(self, include_bytecode=True):
+        outputs = super().get_outputs(include_bytecode)
+        return outputs if self.editable_mode else outputs + [os.path.join(self.build_lib, STARTUP_PTH)]
+
+
+class EditableWheelWithStartupHook(editable_wheel):
+    """Editable installs (PEP 660) do not install build_lib: the .pth goes into the unpacked wheel
+    next to setuptools' own __editable__ .pth, so it lands in site-packages all the same."""
+
+    def _run_build_commands(self, dist_name, unpacked_wheel, build_lib, tmp_dir):
+        result = super()._run_build_commands(dist_name, unpacked_wheel, build_lib, tmp_dir)
+        write_startup_pth(unpacked_wheel)
+        return result
+
+
 setup(
     name="torch-pymem",
     version="0.1.0",
@@ -76,7 +112,8 @@ setup(
             extra_compile_args=CXXFLAGS,
         )
     ],
-    cmdclass={"build_ext": BuildWithCudaLib},
+    cmdclass={"build_ext": BuildWithCudaLib, "build_py": BuildPyWithStartupHook,
+              "editable_wheel": EditableWheelWithStartupHook},
     entry_points={"console_scripts": ["pymem = pymem.cli:main"]},
     python_requires=">=3.9",
     install_requires=["torch", "numpy"],

@@ -1,0 +1,76 @@
+"""No-code activation: PYMEM_BUDGET (and PYMEM_POLICY, PYMEM_DEVICE, PYMEM_LOG) enable pymem at
+interpreter start through the .pth hook the package installs; run in subprocesses as a user runs
+``PYMEM_BUDGET=20GB python train.py``."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pymem import _startup
+from pymem.budget import parse_budget
+
+TRAIN = """
+import torch, pymem
+print("enabled", pymem.is_enabled())
+torch.manual_seed(0)
+w = torch.randn(128, 128, requires_grad=True)
+x = torch.randn(512, 128)
+for _ in range(12):
+    x = torch.tanh(x @ w)
+x.sum().backward()
+s = pymem.memory_stats()
+print("budget", s["budget_bytes"], "policy", pymem.current().policy.name, "device", pymem.current().device)
+print("peak within budget", s["allocated_bytes.peak"] <= s["budget_bytes"], "evicted", s["num_evictions"] > 0)
+"""
+
+
+def python(code: str, **env_vars):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYMEM_")}
+    env.update(env_vars)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def test_unset_budget_imports_nothing():
+    p = python("import sys; print('torch' in sys.modules, 'pymem' in sys.modules)")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "False"]
+
+
+def test_budget_variable_runs_an_unchanged_script_under_pymem():
+    p = python(TRAIN, PYMEM_BUDGET="3MiB", PYMEM_POLICY="lru", PYMEM_DEVICE="cpu")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "enabled True" in p.stdout
+    assert f"budget {3 << 20} policy lru device cpu" in p.stdout
+    assert "peak within budget True evicted True" in p.stdout
+    assert p.stderr == ""  # silent by default
+
+
+def test_log_variable_reports_enable_and_a_summary_at_exit():
+    p = python("import torch; x = torch.ones(1000) * 2", PYMEM_BUDGET="64MB", PYMEM_LOG="info")
+    assert p.returncode == 0, p.stderr
+    assert "[pymem] pymem enabled: budget 64000000 B, policy dtr, device cpu" in p.stderr
+    assert "[pymem] at exit: peak" in p.stderr and "budget, 0 evictions" in p.stderr
+
+
+@pytest.mark.parametrize("var,value,expected", [
+    ("PYMEM_BUDGET", "20 parsecs", "PYMEM_BUDGET: budget '20 parsecs' is not accepted"),
+    ("PYMEM_BUDGET", "-5GB", "PYMEM_BUDGET: budget '-5GB' is not accepted"),
+    ("PYMEM_POLICY", "fifo", "PYMEM_POLICY='fifo' is not a policy; accepted: coop, dtr"),
+    ("PYMEM_DEVICE", "tpu", "PYMEM_DEVICE='tpu' is not a device; accepted: 'cpu', 'cuda', 'cuda:N'"),
+    ("PYMEM_LOG", "loud", "PYMEM_LOG='loud' is not a log level; accepted: debug, info, warning, error"),
+])
+def test_malformed_variable_stops_the_program_before_it_starts(var, value, expected):
+    env = {"PYMEM_BUDGET": "64MB", var: value}
+    p = python("print('the script ran')", **env)
+    assert p.returncode == _startup.EXIT_BAD_SETTING
+    assert p.stdout == ""
+    assert "pymem: cannot start from the environment: " + expected in p.stderr
+
+
+def test_settings_from_env_accepts_every_budget_form_and_defaults():
+    s = _startup.settings_from_env({"PYMEM_BUDGET": "1.5GiB"})
+    assert s == {"budget": parse_budget("1.5GiB"), "policy": "dtr", "device": None, "log": None}
+    s = _startup.settings_from_env({"PYMEM_BUDGET": "10%", "PYMEM_DEVICE": "cpu", "PYMEM_POLICY": "coop",
+                                    "PYMEM_LOG": "DEBUG"})
+    assert s == {"budget": parse_budget("10%", "cpu"), "policy": "coop", "device": "cpu", "log": "debug"}
