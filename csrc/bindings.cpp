@@ -5,6 +5,7 @@
 #ifndef PYMEM_NO_TORCH
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor
 
+#include "hook_budget.h"
 #include "hook_cpu.h"
 #include "storage.h"
 #endif
@@ -30,6 +31,24 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
         "Restore the CPU allocator PyTorch had before; tensors made meanwhile stay valid.");
   m.def("cpu_hook_arena", &pymem::cpu_hook_arena, "The installed arena, or None.");
   m.def("cpu_hook_bad_frees", &pymem::cpu_hook_bad_frees);
+  m.def("install_budget_hook", &pymem::install_budget_hook, py::arg("budget"),
+        "allocator='native': keep PyTorch's CPU allocator, but refuse (OutOfBudgetError) any request "
+        "that would hold more than `budget` bytes. Installing again changes the budget.");
+  m.def("uninstall_budget_hook", &pymem::uninstall_budget_hook,
+        "Give PyTorch its CPU allocator back; buffers made meanwhile stay valid.");
+  m.def("budget_hook_installed", &pymem::budget_hook_installed);
+  m.def("budget_hook_stats", [] {
+    const pymem::BudgetHookStats s = pymem::budget_hook_stats();
+    py::dict d;
+    d["budget_bytes"] = s.budget;
+    d["allocated_bytes.current"] = s.allocated;
+    d["allocated_bytes.peak"] = s.peak;
+    d["num_allocs"] = s.num_allocs;
+    d["num_frees"] = s.num_frees;
+    d["num_refused"] = s.num_refused;
+    return d;
+  }, "Counters of the budget hook (bytes as requested).");
+  m.def("budget_hook_reset_peak", &pymem::budget_hook_reset_peak);
   m.def("evict_storage", &pymem::evict_storage, py::arg("tensor"),
         "Free the tensor's storage in place (all views and saved tensors see it); returns its bytes.");
   m.def("adopt_storage", &pymem::adopt_storage, py::arg("dst"), py::arg("src"), py::arg("nbytes"),

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <vector>
 
+#include "hook_budget.h"
 #include "py_errors.h"
 
 namespace pymem {
@@ -94,6 +95,9 @@ void install_cpu_hook(std::shared_ptr<Arena> arena) {
   if (std::string(arena->backing_kind()) != "host")
     throw InvalidArgument(std::string("the CPU hook needs a 'host' arena (tensors must be able to touch "
                                       "their bytes), got a '") + arena->backing_kind() + "' arena");
+  if (budget_hook_installed())
+    throw InvalidArgument("pymem: the budget hook (allocator='native') is installed as the CPU allocator; "
+                          "uninstall it before installing an arena");
   std::lock_guard<std::mutex> lock(g_install_mutex);
   bool known = false;
   for (const auto& a : g_arenas) known |= (a == arena);

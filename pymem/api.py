@@ -8,6 +8,7 @@ import torch
 from . import snapshot
 from .budget import parse_budget
 from .runtime import Runtime
+from .runtime.runtime import ALLOCATORS
 
 log = logging.getLogger("pymem")
 log.addHandler(logging.NullHandler())  # silent unless the application configures logging
@@ -25,7 +26,8 @@ def _resolve_device(device: Optional[str]) -> str:
     return device
 
 
-def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None) -> Runtime:
+def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
+           allocator: str = "arena") -> Runtime:
     """Keep every tensor allocated from now on inside ``budget``, evicting and recomputing tensors
     under pressure; training gives bitwise the same results. Tensors that exist already stay where
     they are (outside the budget).
@@ -35,34 +37,63 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     policy: one of ``pymem.policies.policy_names()`` (``dtr``, ``dtr-local``, ``lru``, ``size``,
     ``msps``, ``coop``).
     device: ``None`` (CUDA when available, else CPU) or ``"cpu"``.
+    allocator: ``"arena"`` (default) — pymem's arena of exactly ``budget`` bytes replaces PyTorch's
+    allocator: the budget holds for every allocation, eviction happens before an allocation that
+    does not fit, and blocks are placed and compacted against fragmentation. On CUDA it must be
+    installed before CUDA initialises. ``"native"`` — PyTorch's own allocator stays (on CUDA: the
+    caching allocator, so cudagraphs and CUDA IPC keep working), capped at the budget; a request
+    over the cap fails, and pymem releases values and runs the op again. It gives up compaction and
+    placement, and an allocation outside an op pymem sees (a C++ extension's own buffer) fails
+    instead of making room.
 
     Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
     global _current, _settings
     device = _resolve_device(device)
+    if allocator not in ALLOCATORS:
+        raise ValueError(f"allocator {allocator!r} is not accepted; accepted: "
+                         f"{', '.join(map(repr, ALLOCATORS))}")
     nbytes = parse_budget(budget, device)
-    settings = (nbytes, policy, device)
+    settings = (nbytes, policy, device, allocator)
     if _current is not None:
         if settings == _settings:
             return _current
         raise RuntimeError(f"pymem is already enabled with budget={_settings[0]} B, policy={_settings[1]!r}, "
-                           f"device={_settings[2]!r}; call pymem.disable() before enabling it with "
-                           f"budget={nbytes} B, policy={policy!r}, device={device!r}")
-    rt = Runtime(nbytes, policy=policy, device=device)
+                           f"device={_settings[2]!r}, allocator={_settings[3]!r}; call pymem.disable() before "
+                           f"enabling it with budget={nbytes} B, policy={policy!r}, device={device!r}, "
+                           f"allocator={allocator!r}")
+    check_cuda_order(device, allocator)
+    rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator)
     rt.start()
     _current, _settings = rt, settings
-    log.info("pymem enabled: budget %d B, policy %s, device %s", rt.budget, policy, device)
+    log.info("pymem enabled: budget %d B, policy %s, device %s, allocator %s", rt.budget, policy, device, allocator)
     return rt
 
 
+def check_cuda_order(device: str, allocator: str, cuda_initialized=None) -> None:
+    """The arena replaces PyTorch's CUDA allocator, which PyTorch allows only before CUDA
+    initialises: after that, a clear error instead of a half-installed allocator."""
+    if allocator != "arena" or not device.startswith("cuda"):
+        return
+    initialized = torch.cuda.is_initialized() if cuda_initialized is None else cuda_initialized
+    if initialized:
+        raise RuntimeError(
+            "pymem.enable() came after CUDA was initialised (a CUDA tensor or call ran first), and "
+            "PyTorch's CUDA allocator can only be replaced before that. Call pymem.enable() at the top "
+            "of the script, before any CUDA work, or start the unchanged script with PYMEM_BUDGET=<budget> "
+            "in the environment (pymem then enables itself at interpreter start); or pass "
+            "allocator='native' to keep PyTorch's caching allocator, capped at the budget.")
+
+
 @contextlib.contextmanager
-def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None) -> Iterator[Runtime]:
+def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
+           allocator: str = "arena") -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
     if _current is not None:
         raise RuntimeError("pymem.budget() cannot be used while pymem is already enabled; "
                            "call pymem.disable() first")
-    rt = enable(limit, policy=policy, device=device)
+    rt = enable(limit, policy=policy, device=device, allocator=allocator)
     try:
         yield rt
     finally:
@@ -109,7 +140,7 @@ def max_memory_allocated() -> int:
 def reset_peak_memory_stats() -> None:
     """Start the peak over from what is allocated now."""
     if _current is not None:
-        _current.arena.reset_peak_memory_stats()
+        _current.reset_peak_memory_stats()
 
 
 def evict(tensor: torch.Tensor) -> None:
@@ -164,11 +195,18 @@ def memory_snapshot() -> dict:
     """The arena's blocks (and the recorded history) in ``torch.cuda.memory._snapshot()``'s format."""
     if _current is None:
         raise RuntimeError("pymem is not enabled: there is no arena to snapshot")
-    return snapshot.memory_snapshot(_current.arena)
+    return snapshot.memory_snapshot(_arena_for_snapshot())
 
 
 def dump_snapshot(path: str) -> None:
     """Pickle ``memory_snapshot()`` to ``path`` for ``python -m torch.cuda._memory_viz``."""
     if _current is None:
         raise RuntimeError("pymem is not enabled: there is no arena to snapshot")
-    snapshot.dump_snapshot(_current.arena, path)
+    snapshot.dump_snapshot(_arena_for_snapshot(), path)
+
+
+def _arena_for_snapshot():
+    if _current.arena is None:
+        raise RuntimeError("snapshots show the arena's blocks, and allocator='native' has no arena; "
+                           "enable pymem with allocator='arena' (the default) to take one")
+    return _current.arena

@@ -3,7 +3,7 @@
   pymem demo   train a small GPT-style model on CPU twice, unmanaged and under pymem with a budget
                of 50% of its peak, and show peak, budget, slowdown, evictions and that the losses
                and parameters match bitwise
-  pymem run    pymem run --budget 2GB [--policy P] -- script.py args...: the script under pymem,
+  pymem run    pymem run --budget 2GB [--policy P] [--allocator native] -- script.py args...: the script under pymem,
                a memory summary at exit
   pymem info   version, build, CUDA library, device memory
 """
@@ -101,8 +101,8 @@ def cmd_run(args) -> int:
         print(f"pymem run: cannot open script {script[0]!r}: no such file", file=sys.stderr)
         return 2
     try:
-        pymem.enable(args.budget, policy=args.policy, device=args.device)
-    except ValueError as e:
+        pymem.enable(args.budget, policy=args.policy, device=args.device, allocator=args.allocator)
+    except (ValueError, RuntimeError) as e:
         print(f"pymem run: {e}", file=sys.stderr)
         return 2
     sys.argv = list(script)
@@ -131,7 +131,8 @@ def main(argv=None) -> int:
     r = sub.add_parser("run", help="run a script under pymem: pymem run --budget 2GB -- script.py args...")
     r.add_argument("--budget", required=True, help='e.g. "20GB", "20GiB", "512MB", "80%%", or bytes')
     r.add_argument("--policy", default="dtr")
-    r.add_argument("--device", default=None)
+    r.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when available)")
+    r.add_argument("--allocator", default="arena", help="arena (default) or native: see pymem.enable")
     r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
     r.set_defaults(fn=cmd_run)
     i = sub.add_parser("info", help="version, build, CUDA library, device memory")

@@ -43,6 +43,16 @@ def test_run_executes_the_script_under_pymem_and_prints_a_summary(tmp_path):
     assert evictions > 0
 
 
+def test_run_with_the_native_allocator(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    p = run("run", "--budget", "3MiB", "--allocator", "native", "--", str(script))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "grad True" in p.stdout and "pymem memory summary" in p.stderr
+    p = run("run", "--budget", "3MiB", "--allocator", "slab", "--", str(script))
+    assert p.returncode == 2 and "allocator 'slab' is not accepted" in p.stderr and "grad" not in p.stdout
+
+
 def test_run_rejects_a_bad_budget_and_a_missing_script_at_start(tmp_path):
     script = tmp_path / "train.py"
     script.write_text("print('ran')")

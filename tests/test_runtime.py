@@ -111,13 +111,13 @@ def test_enable_errors(managed):
     with pytest.raises(ValueError, match="unknown policy 'best'; accepted: coop, dtr"):
         pymem.enable(MiB, policy="best")
     with pytest.raises(ValueError, match="device 'cuda' is not supported"):
-        pymem.enable(MiB, device="cuda")
+        pymem.enable(MiB, device="cuda", allocator="native")  # native: no CUDA-order check
     with pytest.raises(ValueError, match="budget '1 gigabyte' is not accepted: expected an int of bytes"):
         pymem.enable("1 gigabyte")
     rt = pymem.enable(MiB)
     assert pymem.enable("1MiB") is rt  # the same settings: a no-op
-    with pytest.raises(RuntimeError, match=r"already enabled with budget=1048576 B, policy='dtr', device='cpu'; "
-                                           r"call pymem.disable\(\) before enabling it with budget=2097152 B"):
+    with pytest.raises(RuntimeError, match=r"already enabled with budget=1048576 B, policy='dtr', device='cpu', "
+                                           r"allocator='arena'; call pymem.disable\(\) before enabling it with budget=2097152 B"):
         pymem.enable(2 * MiB)
     assert pymem.is_enabled()
     pymem.disable()

@@ -82,9 +82,9 @@ class _Managed:
         self.enabled = False
         self.rt = None
 
-    def enable(self, budget: int, policy: str = "dtr"):
+    def enable(self, budget: int, policy: str = "dtr", allocator: str = "arena"):
         assert not self.enabled
-        self.rt = pymem.enable(budget=budget, policy=policy)
+        self.rt = pymem.enable(budget=budget, policy=policy, allocator=allocator)
         self.enabled = True
         return self.rt
 
@@ -119,11 +119,11 @@ def managed():
         gc.collect()
 
 
-def managed_run(managed, name: str, budget: int, policy: str):
+def managed_run(managed, name: str, budget: int, policy: str, allocator: str = "arena"):
     """STEPS steps of ``name`` under the budget. Returns (losses, copies, live, stats): ``copies``
     are the parameters and buffers cloned while the runtime was still on (the clones live in the
     arena too), ``live`` the model's own tensors after ``pymem.disable()`` restored them."""
-    managed.enable(budget, policy)
+    managed.enable(budget, policy, allocator)
     failure = None
     try:
         losses = []
@@ -182,6 +182,20 @@ def test_training_is_bitwise_equal_under_budget(managed, name, ratio):
     check_budget(stats, budget)
     assert stats["num_evictions"] > 0, f"{name} at {ratio}: nothing was evicted ({stats})"
     assert stats["num_rematerializations"] > 0, f"{name} at {ratio}: nothing was recomputed ({stats})"
+
+
+@pytest.mark.parametrize("name", rm.NAMES)
+def test_native_allocator_training_is_bitwise_equal_at_30_percent(managed, name):
+    """allocator="native": PyTorch's allocator capped at the budget; refused requests are retried
+    after releasing values. Same guarantees at the tightest ratio."""
+    ref = reference(name)
+    budget = budget_for(name, 0.3)
+    losses, copies, live, stats = managed_run(managed, name, budget, "dtr", allocator="native")
+    check_same(name, ref, (losses, copies))
+    check_same(name, ref, (losses, live))
+    check_budget(stats, budget)
+    assert stats["allocator"] == "native"
+    assert stats["num_retries"] > 0 and stats["num_rematerializations"] > 0, stats
 
 
 @pytest.mark.parametrize("policy", ["dtr-local", "lru", "coop"])

@@ -39,6 +39,20 @@ class PressureHandler:
         elif not compact_for(rt, request):
             self._release_window(request)
 
+    def release_for(self, deficit: int) -> bool:
+        """allocator='native': nothing calls us before a refusal, so after one, release the
+        lowest-scoring values until ``deficit`` bytes (what the refused request lacked) are gone.
+        Counted from now: the failed op's partial allocations died with it and come back when it
+        runs again. True if something was released."""
+        self.rt.sweep()
+        released = 0
+        while released < deficit:
+            n = self._release_lowest()
+            if not n:
+                break
+            released += n
+        return released > 0
+
     def _candidates(self, waiting: bool = False):
         """Every value we may release now: never inputs of a running op (locked); inputs a pending
         recompute waits for only when ``waiting``."""

@@ -12,7 +12,6 @@ import torch
 
 from .. import _C
 from ..errors import OutOfBudgetError
-from . import compaction
 from .records import Record, Slot
 
 _THRASH_FACTOR = 4   # a restore's recomputes per value it could need, before it gives up
@@ -159,9 +158,17 @@ def _base_of(rt, rec: Record, private: bool) -> _Base:
             del rt.cache[rec]
         return _Base(cached[0], cached[1])
     if private:  # a resident value the op would write: work on a copy
-        copy = rec.sref.strong().clone()
+        copy = rt.allocating(_clone, rec.sref.strong())
         return _Base(_C.StorageRef(copy), copy)
     return _Base(rec.sref)
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.clone()
+
+
+def _blank(nbytes: int, device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _fill(template, tensors):
@@ -192,19 +199,19 @@ def _recompute(rt, r: Record) -> None:
                     b = bases[a.rec.id] = _base_of(rt, a.rec, private)
                 tensors.append(b.sref.view(a.dtype, a.size, a.stride, a.offset))
             elif a.leaf is not None:
-                tensors.append(a.leaf.clone() if a.mutated else a.leaf)
+                tensors.append(rt.allocating(_clone, a.leaf) if a.mutated else a.leaf)
             else:  # blank: the op overwrites every byte
-                buf = torch.empty(a.blank_nbytes, dtype=torch.uint8, device=rt.device)
+                buf = rt.allocating(_blank, a.blank_nbytes, rt.device)
                 tensors.append(_C.StorageRef(buf).view(a.dtype, a.size, a.stride, a.offset))
         args, kwargs = _fill(rc.args, tensors), _fill(rc.kwargs, tensors)
         t0 = time.perf_counter()
         try:
             out = _call(rc, args, kwargs)
-        except OutOfBudgetError:
-            # A functional recompute left no trace: compact with its inputs movable, run it again.
-            if any(a.mutated for a in rc.refs) or not compaction.defragment_after_failure(rt):
+        except OutOfBudgetError as e:
+            if any(a.mutated for a in rc.refs):  # it may have written its private copy: no retry
                 raise
-            out = _call(rc, args, kwargs)
+            # A functional recompute left no trace: make room (its inputs stay locked), run it again.
+            out = rt.run_again(_call, (rc, args, kwargs), {}, e)
         rt.stats_remat(time.perf_counter() - t0)
     finally:
         for rec in locked:

@@ -24,7 +24,9 @@ _StorageRef = _C.StorageRef
 _alias = _C.alias_tensor
 _perf = time.perf_counter
 _grad_enabled = torch.is_grad_enabled
-_SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its recipe up to this size
+_SNAPSHOT_LIMIT = 64 << 10
+ALLOCATORS = ("arena", "native")
+_NATIVE_RETRIES = 64  # rounds of release-and-retry for one op under the native allocator  # leaf buffers an op mutates are snapshotted for its recipe up to this size
 
 
 def _collect(values, out: List[_Tensor]) -> None:
@@ -85,21 +87,29 @@ class _Mode(TorchDispatchMode):
 class Runtime:
     """State of one ``pymem.enable``: arena, records, policy, statistics."""
 
-    def __init__(self, budget: int, policy="dtr", device: str = "cpu") -> None:
+    def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena") -> None:
         if device != "cpu":
             raise ValueError(f"device {device!r} is not supported by this runtime yet; accepted: 'cpu'")
+        if allocator not in ALLOCATORS:
+            raise ValueError(f"allocator {allocator!r} is not one of {', '.join(map(repr, ALLOCATORS))}")
         self.device = torch.device(device)
         self.policy: Policy = policy if isinstance(policy, Policy) else get_policy(policy)
         budget -= budget % _C.ALIGNMENT  # the arena's granularity; rounding down keeps the cap hard
-        # The handler decides what to release (it refreshes block owners before any window search).
-        self.arena = _C.Arena(budget, backing="host", search="handler")
         self.budget = budget
-        self.lo, self.hi = self.arena.base, self.arena.base + budget
-        self.main_hi = self.hi - self.arena.small_region_size  # [lo, main_hi): blocks that compact
+        self.allocator = allocator
+        self.pressure = PressureHandler(self)
+        if allocator == "arena":
+            # The handler decides what to release (it refreshes block owners before any window search).
+            self.arena = _C.Arena(budget, backing="host", search="handler")
+            self.lo, self.hi = self.arena.base, self.arena.base + budget
+            self.main_hi = self.hi - self.arena.small_region_size  # [lo, main_hi): blocks that compact
+            self._small = self.arena.small_threshold
+        else:  # PyTorch's allocator, capped: a refused request is retried after releasing values
+            self.arena = None
+            self.lo = self.hi = self.main_hi = self._small = 0
         # Inputs (records, or leaf tensors) of the kernels running now, innermost last: a kernel may
         # hold their addresses, so compaction leaves them where they are. Locks only stop release.
         self.running: List[list] = []
-        self._small = self.arena.small_threshold
         self.neighbourhood = EvictedNeighbourhood()
         # Records in the neighbourhood, weakly: one no recipe needs any more dies, and the next
         # rebuild leaves it out (union-find cannot delete, so it is rebuilt when mostly stale).
@@ -115,12 +125,17 @@ class Runtime:
         self.num_rematerializations = 0
         self.remat_seconds = 0.0
         self.num_invalidations = 0
-        self.arena.set_pressure_handler(PressureHandler(self))
+        self.num_retries = 0
+        if self.arena is not None:
+            self.arena.set_pressure_handler(self.pressure)
         self.mode: Optional[_Mode] = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        _C.install_cpu_hook(self.arena)
+        if self.arena is not None:
+            _C.install_cpu_hook(self.arena)
+        else:
+            _C.install_budget_hook(self.budget)
         self.mode = _Mode(self)
         self.mode.__enter__()
 
@@ -129,8 +144,11 @@ class Runtime:
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
-        _C.uninstall_cpu_hook()
-        self.arena.set_pressure_handler(None)
+        if self.arena is not None:
+            _C.uninstall_cpu_hook()
+            self.arena.set_pressure_handler(None)
+        else:
+            _C.uninstall_budget_hook()
         evicted = [r for r in self.table.values() if r.evicted and r.sref.alive]
         remat.restore(self, evicted)
         self.table.clear()
@@ -140,7 +158,7 @@ class Runtime:
     def _new_record(self, t: _Tensor, key: int, cost: float, recipe, op: str) -> Record:
         sref = _StorageRef(t)
         ptr = sref.data_ptr
-        in_arena = self.lo <= ptr < self.hi and sref.nbytes > self._small
+        in_arena = self.lo <= ptr < self.hi and sref.nbytes > self._small or self.arena is None
         r = Record(self, sref, sref.nbytes, cost, self.clock, recipe, op, in_arena)
         table = self.table
         table[key] = r
@@ -289,19 +307,24 @@ class Runtime:
                         if recomputable and info.fresh_returns and r.nbytes <= _SNAPSHOT_LIMIT and not shared:
                             if snapshots is None:
                                 snapshots = {}
-                            snap = snapshots[j] = ins[j].clone()
+                            snap = snapshots[j] = self.allocating(ins[j].clone)
                             self._new_record(snap, _storage_key(snap), 0.0, None, "snapshot")
                         else:
                             recomputable = False
             rng = None
             if info.seeded and (recomputable or (info.pure and not info.mutated)):  # replay, or retry
                 gen = kwargs.get("generator") or torch.default_generator
-                rng = (gen, gen.get_state())
+                rng = (gen, self.allocating(gen.get_state))
             t0 = _perf()
             try:
                 out = func(*args, **kwargs)
             except OutOfBudgetError as e:
-                out = self._retry_compacted(func, args, kwargs, info, rng, recs, e)
+                if info.mutated or not info.pure:  # it may have written before it ran out
+                    raise self._op_error(info.name, recs, e) from None
+                try:
+                    out = self.run_again(func, args, kwargs, e, rng)
+                except OutOfBudgetError as e2:
+                    raise self._op_error(info.name, recs, e2) from None
             cost = _perf() - t0
             if not recomputable:
                 rng = None
@@ -365,20 +388,41 @@ class Runtime:
                 self._link(recs, new)
         return out
 
-    def _retry_compacted(self, func, args, kwargs, info, rng, recs, e: OutOfBudgetError):
-        """``func`` ran out of budget with its inputs pinned where they lie. A functional op has left
-        no trace (its partial outputs died with the exception), so its inputs may move now: compact
-        the whole arena into one free block and run it once more."""
-        if info.mutated or not info.pure:
-            raise self._op_error(info.name, recs, e) from None
-        if not compaction.defragment_after_failure(self):
-            raise self._op_error(info.name, recs, e) from None
-        if rng is not None:
-            rng[0].set_state(rng[1])  # replay from the same generator state, as if it ran once
+    def run_again(self, func, args, kwargs, e: OutOfBudgetError, rng=None):
+        """``func`` (functional: its partial outputs died with the exception, it left no trace) ran
+        out of budget. Make room and run it again. The arena's handler has released all it could
+        before refusing, so the arena compacts with the op's inputs movable now, once. A capped
+        native allocator releases nothing by itself: release values for the refused request and
+        retry, as long as each round releases something."""
+        for _ in range(1 if self.arena is not None else _NATIVE_RETRIES):
+            if not self.make_room(e):
+                break
+            self.num_retries += 1
+            if rng is not None:
+                rng[0].set_state(rng[1])  # replay from the same generator state, as if it ran once
+            try:
+                return func(*args, **kwargs)
+            except OutOfBudgetError as again:
+                # Drop the traceback: it holds this frame, whose locals hold the op's tensors, in a
+                # cycle that only the garbage collector would break.
+                e = again.with_traceback(None)
+        raise e
+
+    def allocating(self, fn, *args):
+        """``fn(*args)`` allocates outside any op pymem sees (a recompute's scratch copy): under the
+        native allocator nothing makes room before a refusal, so make it after one and retry."""
         try:
-            return func(*args, **kwargs)
-        except OutOfBudgetError as e2:
-            raise self._op_error(info.name, recs, e2) from None
+            return fn(*args)
+        except OutOfBudgetError as e:
+            return self.run_again(fn, args, {}, e)
+
+    def make_room(self, e: OutOfBudgetError) -> bool:
+        """After a refused request: True if something was done that may let it through now."""
+        if self.arena is not None:
+            return compaction.defragment_after_failure(self)
+        requested, budget, allocated = (getattr(e, k, None) for k in ("requested", "budget", "allocated"))
+        deficit = requested - (budget - allocated) if None not in (requested, budget, allocated) else 1
+        return self.pressure.release_for(max(deficit, 1))
 
     @staticmethod
     def _link(recs, new: Record) -> None:
@@ -423,9 +467,17 @@ class Runtime:
         return err
 
     # ------------------------------------------------------------------ stats
+    def reset_peak_memory_stats(self) -> None:
+        if self.arena is not None:
+            self.arena.reset_peak_memory_stats()
+        else:
+            _C.budget_hook_reset_peak()
+
     def memory_stats(self) -> dict:
-        s = self.arena.stats()
+        s = self.arena.stats() if self.arena is not None else _C.budget_hook_stats()
         s.update({
+            "allocator": self.allocator,
+            "num_retries": self.num_retries,
             "num_ops": self.num_ops,
             "num_evictions": self.num_evictions,
             "evicted_bytes": self.evicted_bytes,

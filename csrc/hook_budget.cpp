@@ -1,0 +1,147 @@
+// hook_budget.cpp — allocator="native" (see hook_budget.h).
+//
+// Buffers come from the wrapped allocator's raw_allocate and keep context == data, so c10's
+// raw_allocate/raw_deallocate work on this allocator too. Their sizes live in a map, since the
+// deleter gets only the pointer. The map, the wrapped allocator and the counters live for the life
+// of the process: a buffer made under the hook may die after uninstall, from any thread.
+#include "hook_budget.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <mutex>
+#include <string>
+#include <unordered_map>
+
+#include "hook_cpu.h"
+#include "py_errors.h"
+#include "types.h"
+
+namespace pymem {
+
+namespace {
+
+constexpr uint8_t kHookPriority = 200;  // as the arena hook: above anything PyTorch registers
+
+std::mutex g_mutex;  // guards everything below
+std::unordered_map<void*, size_t> g_sizes;
+BudgetHookStats g_stats;
+c10::Allocator* g_inner = nullptr;          // the allocator we wrap (set once, never changes)
+c10::DeleterFnPtr g_inner_delete = nullptr;
+bool g_installed = false;
+
+void budget_delete(void* ptr) {
+  if (!ptr) return;
+  {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    auto it = g_sizes.find(ptr);
+    if (it != g_sizes.end()) {
+      g_stats.allocated -= it->second;
+      g_stats.num_frees++;
+      g_sizes.erase(it);
+    }
+  }
+  g_inner_delete(ptr);
+}
+
+[[noreturn]] void raise_refused(size_t nbytes, size_t budget, size_t allocated) {
+  const OutOfBudget e("pymem: out of budget (allocator='native'): cannot allocate " + std::to_string(nbytes) +
+                          " bytes with " + std::to_string(allocated) + " of " + std::to_string(budget) +
+                          " bytes allocated",
+                      nbytes, budget, allocated, 0, allocated < budget ? budget - allocated : 0);
+  if (Py_IsInitialized()) {
+    pybind11::gil_scoped_acquire gil;
+    set_python_out_of_budget(e);
+    throw pybind11::error_already_set();  // PyTorch's op wrappers restore it as-is
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+}
+
+class BudgetCPUAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    const c10::Device cpu(c10::DeviceType::CPU);
+    if (nbytes == 0) return {nullptr, nullptr, &budget_delete, cpu};
+    bool refused = false;
+    size_t budget = 0, allocated = 0;
+    {
+      // Reserve first, so two threads cannot both pass the check with the last free bytes.
+      std::lock_guard<std::mutex> lock(g_mutex);
+      budget = g_stats.budget;
+      allocated = g_stats.allocated;
+      refused = allocated > budget || nbytes > budget - allocated;
+      if (refused)
+        g_stats.num_refused++;
+      else
+        g_stats.allocated += nbytes;
+    }
+    if (refused) raise_refused(nbytes, budget, allocated);  // takes the GIL: never under our lock
+    void* p = nullptr;
+    try {
+      p = g_inner->raw_allocate(nbytes);
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(g_mutex);
+      g_stats.allocated -= nbytes;
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(g_mutex);
+    g_sizes.emplace(p, nbytes);
+    g_stats.num_allocs++;
+    if (g_stats.allocated > g_stats.peak) g_stats.peak = g_stats.allocated;
+    return {p, p, &budget_delete, cpu};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &budget_delete; }
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+BudgetCPUAllocator g_allocator;
+
+}  // namespace
+
+void install_budget_hook(size_t budget) {
+  if (cpu_hook_arena())
+    throw InvalidArgument("pymem: the arena is installed as the CPU allocator; uninstall it before "
+                          "installing the budget hook (allocator='native')");
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_installed) {
+    c10::Allocator* current = c10::GetCPUAllocator();
+    if (current != &g_allocator) {
+      if (g_inner && current != g_inner)
+        throw InvalidArgument("pymem: the CPU allocator changed since the budget hook was first installed");
+      if (!current->raw_deleter())
+        throw InvalidArgument("pymem: the CPU allocator in place has no raw deleter; it cannot be wrapped");
+      g_inner = current;
+      g_inner_delete = current->raw_deleter();
+    }
+    c10::SetCPUAllocator(&g_allocator, kHookPriority);
+    g_installed = true;
+    g_stats.peak = g_stats.allocated;  // a fresh install starts its own peak
+  }
+  g_stats.budget = budget;
+}
+
+void uninstall_budget_hook() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (!g_installed) return;
+  if (c10::GetCPUAllocator() == &g_allocator) c10::SetCPUAllocator(g_inner, kHookPriority);
+  g_installed = false;
+}
+
+bool budget_hook_installed() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_installed;
+}
+
+BudgetHookStats budget_hook_stats() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_stats;
+}
+
+void budget_hook_reset_peak() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  g_stats.peak = g_stats.allocated;
+}
+
+}  // namespace pymem

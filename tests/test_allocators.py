@@ -1,0 +1,112 @@
+"""allocator="native" (PyTorch's allocator capped at the budget, release-and-retry on refusal), the
+budget hook under it, and the CUDA-order check of allocator="arena" (simulated on CPU by the check)."""
+import pytest
+import torch
+
+import pymem
+from pymem import _C
+from pymem.api import check_cuda_order
+
+
+@pytest.fixture
+def managed():
+    yield
+    pymem.disable()
+
+
+def test_budget_hook_refuses_past_the_budget_and_counts_frees():
+    _C.install_budget_hook(1 << 20)
+    try:
+        x = torch.ones(1000)  # 4000 B
+        with pytest.raises(pymem.OutOfBudgetError) as e:
+            torch.ones(1 << 20)  # 4 MiB
+        assert e.value.requested == 4 << 20 and e.value.budget == 1 << 20 and e.value.allocated == 4000
+        assert "allocator='native'" in str(e.value)
+        assert torch.equal(x, torch.ones(1000))  # the refusal left earlier tensors alone
+        del x
+        s = _C.budget_hook_stats()
+        assert s["allocated_bytes.current"] == 0 and s["num_refused"] >= 1
+        assert s["allocated_bytes.peak"] == 8000  # x and the torch.ones(1000) compared with it
+    finally:
+        _C.uninstall_budget_hook()
+    assert not _C.budget_hook_installed()
+    assert torch.ones(1 << 20).sum() == 1 << 20  # PyTorch's allocator is back, uncapped
+
+
+def test_budget_hook_and_arena_hook_exclude_each_other():
+    _C.install_budget_hook(1 << 20)
+    try:
+        with pytest.raises(ValueError, match="uninstall it before installing an arena"):
+            pymem.install_cpu_hook(pymem.Arena(1 << 20))
+    finally:
+        _C.uninstall_budget_hook()
+    pymem.install_cpu_hook(pymem.Arena(1 << 20))
+    try:
+        with pytest.raises(ValueError, match="the arena is installed as the CPU allocator"):
+            _C.install_budget_hook(1 << 20)
+    finally:
+        pymem.uninstall_cpu_hook()
+
+
+def test_native_allocator_keeps_the_budget_by_releasing_and_retrying(managed):
+    torch.manual_seed(0)
+    w = torch.randn(128, 128, requires_grad=True)
+    x0 = torch.randn(512, 128)
+
+    def run():
+        x = x0
+        for _ in range(12):  # 12 saved 256 KiB activations and more
+            x = torch.tanh(x @ w)
+        x.sum().backward()
+        g = w.grad.clone()
+        w.grad = None
+        return g
+
+    ref = run()
+    pymem.enable("2MiB", allocator="native")
+    got = run()
+    s = pymem.memory_stats()
+    pymem.disable()
+    assert torch.equal(got, ref)
+    assert s["allocator"] == "native" and s["budget_bytes"] == 2 << 20
+    assert s["allocated_bytes.peak"] <= s["budget_bytes"]
+    assert s["num_retries"] > 0 and s["num_evictions"] > 0 and s["num_rematerializations"] > 0
+
+
+def test_native_allocator_has_no_snapshot_and_says_why(managed):
+    pymem.enable("2MiB", allocator="native")
+    with pytest.raises(RuntimeError, match="allocator='native' has no arena"):
+        pymem.memory_snapshot()
+
+
+def test_native_allocator_too_small_a_budget_names_the_op_and_keeps_tensors_valid(managed):
+    a = torch.ones(100_000)
+    pymem.enable(512 << 10, allocator="native")
+    with torch.no_grad():
+        b = a * 2  # 400 kB, and no recipe: nothing to release for the next 400 kB
+    with pytest.raises(pymem.OutOfBudgetError, match="aten.mul.Tensor needs 400000 B more"):
+        c = a * 3  # noqa: F841
+    pymem.disable()
+    assert torch.equal(a, torch.ones(100_000)) and torch.equal(b, torch.full((100_000,), 2.0))
+
+
+def test_unknown_allocator_is_rejected_with_the_accepted_ones():
+    with pytest.raises(ValueError, match="allocator 'malloc' is not accepted; accepted: 'arena', 'native'"):
+        pymem.enable("1MiB", allocator="malloc")
+    assert not pymem.is_enabled()
+
+
+def test_enabling_the_arena_after_cuda_initialised_is_a_clear_error(monkeypatch):
+    with pytest.raises(RuntimeError) as e:
+        check_cuda_order("cuda", "arena", cuda_initialized=True)
+    msg = str(e.value)
+    assert "pymem.enable() came after CUDA was initialised" in msg
+    assert "at the top of the script" in msg and "PYMEM_BUDGET" in msg and "allocator='native'" in msg
+    check_cuda_order("cuda", "arena", cuda_initialized=False)
+    check_cuda_order("cuda:1", "native", cuda_initialized=True)  # the caching allocator stays
+    check_cuda_order("cpu", "arena", cuda_initialized=True)      # the CPU hook has no such order
+    # Through enable(): the check comes first, before any allocator is touched.
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="came after CUDA was initialised"):
+        pymem.enable("1GB", device="cuda")
+    assert not pymem.is_enabled() and pymem.cpu_hook_arena() is None
