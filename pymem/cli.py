@@ -1,7 +1,7 @@
 """The `pymem` command (also `python -m pymem`).
 
   pymem demo   train a small GPT-style model on CPU twice, unmanaged and under pymem with a budget
-               of 50% of its peak, and show peak, budget, slowdown, evictions and that the losses
+               of 40% of its peak, and show peak, budget, slowdown, evictions and that the losses
                and parameters match bitwise
   pymem run    pymem run --budget 2GB [--policy P] [--allocator native] -- script.py args...: the script under pymem,
                a memory summary at exit
@@ -126,7 +126,7 @@ def main(argv=None) -> int:
     d.add_argument("--steps", type=int, default=3)
     d.add_argument("--batch", type=int, default=8)
     d.add_argument("--seq", type=int, default=128)
-    d.add_argument("--ratio", type=float, default=0.5, help="budget as a share of the unmanaged peak")
+    d.add_argument("--ratio", type=float, default=0.4, help="budget as a share of the unmanaged peak")
     d.set_defaults(fn=cmd_demo)
     r = sub.add_parser("run", help="run a script under pymem: pymem run --budget 2GB -- script.py args...")
     r.add_argument("--budget", required=True, help='e.g. "20GB", "20GiB", "512MB", "80%%", or bytes')

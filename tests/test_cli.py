@@ -16,7 +16,7 @@ def test_demo_trains_bitwise_identically_inside_the_budget():
     p = run("demo", "--steps", "2")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "bitwise equal (losses and parameters): yes" in p.stdout
-    assert "never above the budget" in p.stdout and "(50% of it)" in p.stdout and "slowdown" in p.stdout
+    assert "never above the budget" in p.stdout and "(40% of it)" in p.stdout and "slowdown" in p.stdout
     evictions = int(p.stdout.split(" evictions,")[0].rsplit(" ", 1)[-1])
     assert evictions > 0
 
