@@ -24,9 +24,9 @@ _StorageRef = _C.StorageRef
 _alias = _C.alias_tensor
 _perf = time.perf_counter
 _grad_enabled = torch.is_grad_enabled
-_SNAPSHOT_LIMIT = 64 << 10
+_SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its recipe up to this size
 ALLOCATORS = ("arena", "native")
-_NATIVE_RETRIES = 64  # rounds of release-and-retry for one op under the native allocator  # leaf buffers an op mutates are snapshotted for its recipe up to this size
+_NATIVE_RETRIES = 64  # rounds of release-and-retry for one op under the native allocator
 
 
 def _collect(values, out: List[_Tensor]) -> None:
