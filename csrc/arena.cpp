@@ -93,6 +93,7 @@ uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double c
       if (pinned) stats_.pinned_bytes += rounded;
       if (stats_.allocated_bytes > stats_.peak_allocated_bytes)
         stats_.peak_allocated_bytes = stats_.allocated_bytes;
+      if (history_) history_->record(HistoryEvent::Action::Alloc, b->addr, b->size);
       return b->addr;
     }
     if (!pressured) {
@@ -176,6 +177,7 @@ void Arena::release_block_locked(Block* b) {  // b already taken out of allocate
   stats_.allocated_bytes -= b->size;
   stats_.requested_bytes -= b->requested;
   if (b->pinned) stats_.pinned_bytes -= b->size;
+  if (history_) history_->record(HistoryEvent::Action::Free, b->addr, b->size);  // before b merges away
   (b->region == RegionKind::Main ? *main_ : *small_).free(b);
 }
 
@@ -250,6 +252,37 @@ std::vector<Block> Arena::blocks() const {
     for (const Block* b = r->first(); b; b = b->next) out.push_back(*b);
   }
   return out;
+}
+
+void Arena::set_history(size_t max_entries) {
+  std::unique_ptr<History> h = max_entries ? std::make_unique<History>(max_entries) : nullptr;
+  std::lock_guard<std::mutex> lock(mutex_);
+  history_ = std::move(h);
+}
+
+bool Arena::recording_history() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return history_ != nullptr;
+}
+
+std::vector<HistoryEvent> Arena::history() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return history_ ? history_->events() : std::vector<HistoryEvent>{};
+}
+
+void Arena::label_next_free(uintptr_t addr, std::string label) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (history_) history_->label_next_free(addr, std::move(label));
+}
+
+void Arena::label_last_alloc(uintptr_t addr, const std::string& label) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (history_) history_->label_last_alloc(addr, label);
+}
+
+void Arena::history_note(HistoryEvent::Action action, uintptr_t addr, size_t size, std::string label) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (history_) history_->note(action, addr, size, std::move(label));
 }
 
 }  // namespace pymem

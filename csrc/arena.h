@@ -20,11 +20,13 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <utility>
 #include <vector>
 
 #include "addr_map.h"
 #include "backing.h"
+#include "history.h"
 #include "region.h"
 #include "types.h"
 
@@ -83,6 +85,14 @@ class Arena {
   void reset_peak();
   std::vector<Block> blocks() const;  // copies, address order (main region, then small)
 
+  // The opt-in event log (history.h): max_entries > 0 starts a fresh one, 0 stops recording.
+  void set_history(size_t max_entries);
+  bool recording_history() const;
+  std::vector<HistoryEvent> history() const;  // oldest first; empty when not recording
+  void label_next_free(uintptr_t addr, std::string label);  // no-ops when not recording
+  void label_last_alloc(uintptr_t addr, const std::string& label);
+  void history_note(HistoryEvent::Action action, uintptr_t addr, size_t size, std::string label);
+
   uintptr_t base() const { return backing_->base(); }
   size_t budget() const { return budget_; }
   size_t small_threshold() const { return small_threshold_; }
@@ -110,6 +120,7 @@ class Arena {
   std::atomic<SearchMode> mode_;
   std::atomic<int> handlers_running_{0};  // frees while > 0 count as released blocks
   ArenaStats stats_;
+  std::unique_ptr<History> history_;  // null: not recording
 };
 
 }  // namespace pymem

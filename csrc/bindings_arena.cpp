@@ -240,6 +240,27 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
       .def("stats", [](const Arena& a) { return stats_dict(a.stats()); })
       .def("reset_peak_memory_stats", &Arena::reset_peak)
       .def("blocks", &Arena::blocks, "Copies of every block, in address order.")
+      .def("set_history", &Arena::set_history, py::arg("max_entries"),
+           "Record allocations and frees (newest max_entries kept); 0 stops and drops the log.")
+      .def_property_readonly("recording_history", &Arena::recording_history)
+      .def("history", [](const Arena& a) {
+             py::list out;
+             for (const HistoryEvent& e : a.history())
+               out.append(py::make_tuple(e.action == HistoryEvent::Action::Alloc ? "alloc" : "free_completed",
+                                         e.addr, e.size, e.time_us, e.label));
+             return out;
+           }, "Events, oldest first: (action, addr, size, time_us, label); action is 'alloc' or 'free_completed'.")
+      .def("label_next_free", &Arena::label_next_free, py::arg("addr"), py::arg("label"),
+           "The next free of addr gets this label in the history (an eviction).")
+      .def("label_last_alloc", &Arena::label_last_alloc, py::arg("addr"), py::arg("label"),
+           "The newest allocation of addr gets this label in the history (a rematerialization).")
+      .def("history_note", [](Arena& a, const std::string& action, uintptr_t addr, size_t size, std::string label) {
+             if (action != "alloc" && action != "free_completed")
+               throw py::value_error("history_note: action must be 'alloc' or 'free_completed', got '" + action + "'");
+             a.history_note(action == "alloc" ? HistoryEvent::Action::Alloc : HistoryEvent::Action::Free, addr, size,
+                            std::move(label));
+           }, py::arg("action"), py::arg("addr"), py::arg("size"), py::arg("label"),
+           "An event the arena does not see itself (the two halves of a compaction move).")
       .def_property_readonly("num_allocs", [](const Arena& a) { return a.stats().num_allocs; },
                              "Allocations served so far (cheaper than stats()).")
       .def_property_readonly("base", &Arena::base)

@@ -187,8 +187,11 @@ def memory_summary() -> str:
 
 
 def record_memory_history(enabled: bool = True, max_entries: int = 100_000) -> None:
-    """Opt in to recording evictions, rematerializations and compaction moves for ``memory_snapshot``."""
-    snapshot.record_memory_history(enabled, max_entries)
+    """Opt in to recording the arena's allocations and frees for ``memory_snapshot``, with evictions,
+    rematerializations and compaction moves labelled; keeps the newest ``max_entries`` events. Off
+    again with ``enabled=False``. Like ``torch.cuda.memory._record_memory_history``."""
+    arena = _current.arena if _current is not None else None
+    snapshot.record_memory_history(enabled, max_entries, arena)
 
 
 def memory_snapshot() -> dict:

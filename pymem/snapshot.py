@@ -2,43 +2,42 @@
 (``python -m torch.cuda._memory_viz trace_plot snap.pickle -o out.html``).
 
 Segments: the arena's two regions (main, small), each with its blocks in address order. History
-(opt-in, ``record_memory_history``): the runtime's own events — evictions (``free_completed``),
-rematerializations (``alloc``) and compaction moves (a ``free_completed`` and an ``alloc``) — each with
-one frame naming what happened and the op that produced the value. Plain allocations and frees are
-not recorded yet.
+(opt-in, ``record_memory_history``): the arena's own log (csrc/history.h) of every allocation
+(``alloc``) and free (``free_completed``), each with one frame naming it. The runtime labels the
+events it causes: an eviction's free (``pymem evict <op>``), a rematerialization's allocation
+(``pymem rematerialize <op>``) and the two halves of a compaction move (``pymem compact <op>``).
 """
 import pickle
-import time
-from typing import List, Optional
+from typing import Optional
 
-_history: Optional[List[dict]] = None
-_max_entries = 0
+_max_entries = 0  # > 0: record, keeping the newest this many events
 
 
-def record_memory_history(enabled: bool = True, max_entries: int = 100_000) -> None:
-    """Start (or stop, ``enabled=False``) recording pymem's events for ``memory_snapshot()``;
-    keeps the newest ``max_entries``."""
-    global _history, _max_entries
-    if not isinstance(max_entries, int) or max_entries <= 0:
+def record_memory_history(enabled: bool = True, max_entries: int = 100_000, arena=None) -> None:
+    """Start (or stop, ``enabled=False``) recording for ``memory_snapshot()``; keeps the newest
+    ``max_entries`` events. Applies to ``arena`` (the active one) now and to every later one."""
+    global _max_entries
+    if not isinstance(max_entries, int) or isinstance(max_entries, bool) or max_entries <= 0:
         raise ValueError(f"max_entries must be a positive int, got {max_entries!r}")
-    _history = [] if enabled else None
-    _max_entries = max_entries
-
-
-def record(action: str, addr: int, size: int, what: str) -> None:
-    """Called by the runtime; a no-op unless history is on."""
-    h = _history
-    if h is None:
-        return
-    h.append({"action": action, "addr": addr, "size": size, "stream": 0,
-              "time_us": int(time.time() * 1e6),
-              "frames": [{"filename": "pymem", "line": 0, "name": what}]})
-    if len(h) > _max_entries:
-        del h[: len(h) - _max_entries]
+    _max_entries = max_entries if enabled else 0
+    if arena is not None:
+        arena.set_history(_max_entries)
 
 
 def recording() -> bool:
-    return _history is not None
+    return _max_entries > 0
+
+
+def attach(arena) -> None:
+    """A new arena records if history is on."""
+    if _max_entries:
+        arena.set_history(_max_entries)
+
+
+def _event(action: str, addr: int, size: int, time_us: int, label: str) -> dict:
+    name = label or ("alloc" if action == "alloc" else "free")
+    return {"action": action, "addr": addr, "size": size, "stream": 0, "time_us": time_us,
+            "frames": [{"filename": "pymem", "line": 0, "name": name}]}
 
 
 def _segment(blocks, region: str) -> Optional[dict]:
@@ -58,7 +57,8 @@ def _segment(blocks, region: str) -> Optional[dict]:
 def memory_snapshot(arena) -> dict:
     blocks = arena.blocks()
     segments = [s for s in (_segment(blocks, "main"), _segment(blocks, "small")) if s is not None]
-    return {"segments": segments, "device_traces": [list(_history or [])], "allocator_settings": {}}
+    trace = [_event(*e) for e in arena.history()]
+    return {"segments": segments, "device_traces": [trace], "allocator_settings": {}}
 
 
 def dump_snapshot(arena, path: str) -> None:

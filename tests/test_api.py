@@ -111,6 +111,16 @@ def test_snapshot_opens_in_torch_memory_viz(tmp_path):
         pymem.record_memory_history(False)
     seg = snap["segments"][0]
     assert seg["total_size"] + snap["segments"][1]["total_size"] == 3 << 20
+    trace = snap["device_traces"][0]
+    assert {e["action"] for e in trace} == {"alloc", "free_completed"}
+    assert any(e["frames"][0]["name"] == "alloc" for e in trace)  # plain allocations are there too
+    assert any(e["frames"][0]["name"] == "free" for e in trace)
+    evicts = [e for e in trace if e["frames"][0]["name"].startswith("pymem evict")]
+    assert evicts and all(e["action"] == "free_completed" for e in evicts)
+    remats = [e for e in trace if e["frames"][0]["name"].startswith("pymem rematerialize")]
+    assert remats and all(e["action"] == "alloc" for e in remats)
+    times = [e["time_us"] for e in trace]
+    assert times == sorted(times)
     assert sum(b["size"] for b in seg["blocks"]) == seg["total_size"]
     names = [e["frames"][0]["name"] for e in snap["device_traces"][0]]
     assert any(n.startswith("pymem evict") for n in names)
@@ -128,3 +138,26 @@ def test_snapshot_opens_in_torch_memory_viz(tmp_path):
     assert p.returncode == 0 and out.stat().st_size > 1000, p.stderr
     with pytest.raises(RuntimeError, match="pymem is not enabled"):
         pymem.memory_snapshot()
+
+
+def test_history_is_opt_in_bounded_and_labels_events():
+    arena = pymem.Arena(1 << 20)
+    a = arena.allocate(1000)
+    assert arena.history() == [] and not arena.recording_history  # off by default
+    arena.set_history(3)
+    b = arena.allocate(600)
+    arena.label_next_free(b, "pymem evict test")
+    arena.free(b)
+    c = arena.allocate(512)
+    arena.label_last_alloc(c, "pymem rematerialize test")
+    arena.free(a)
+    events = arena.history()
+    assert [(e[0], e[1], e[2], e[4]) for e in events] == [  # the oldest (b's allocation) fell out
+        ("free_completed", b, 1024, "pymem evict test"), ("alloc", c, 512, "pymem rematerialize test"),
+        ("free_completed", a, 1024, "")]
+    with pytest.raises(ValueError, match="action must be 'alloc' or 'free_completed'"):
+        arena.history_note("moved", c, 512, "x")
+    arena.set_history(0)
+    assert arena.history() == [] and not arena.recording_history
+    with pytest.raises(ValueError, match="max_entries must be a positive int"):
+        pymem.record_memory_history(True, max_entries=0)

@@ -13,7 +13,7 @@ import sysconfig
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SOURCES = ["arena.cpp", "compact.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "window.cpp", "backing.cpp",
+SOURCES = ["arena.cpp", "compact.cpp", "history.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "window.cpp", "backing.cpp",
            "bench.cpp", "bindings_arena.cpp", "bindings.cpp"]
 
 

@@ -17,16 +17,18 @@ budget instead (a caching allocator's fragmentation) are not an option under a h
 import math
 from typing import Dict, List, Optional, Tuple
 
+from .. import _C
 from .. import snapshot as _snap
 from .records import Record
 
 
-def _relocate(movable: Dict[int, tuple], old: int, new: int) -> None:
+def _relocate(rt, movable: Dict[int, tuple], old: int, new: int) -> None:
     r, sref, _ = movable[old]
     sref.relocate(new)
     if _snap.recording():
-        _snap.record("free_completed", old, r.nbytes, f"pymem compact {r.op} (moved out)")
-        _snap.record("alloc", new, r.nbytes, f"pymem compact {r.op} (moved in)")
+        size = -(-r.nbytes // _C.ALIGNMENT) * _C.ALIGNMENT  # the block's size, as the arena logs it
+        rt.arena.history_note("free_completed", old, size, f"pymem compact {r.op} (moved out)")
+        rt.arena.history_note("alloc", new, size, f"pymem compact {r.op} (moved in)")
 
 
 class _Segment:
@@ -150,7 +152,7 @@ def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
     """arena.compact(addrs) and repoint the moved storages. True when something moved."""
     slid = rt.arena.compact(addrs)
     for old, new in slid:
-        _relocate(movable, old, new)
+        _relocate(rt, movable, old, new)
     return bool(slid)
 
 
@@ -164,7 +166,7 @@ def compact_for(rt, request: int) -> bool:
     keep = [movable[a][1].strong() for a, _ in seg.movable]  # nothing moved may die mid-move
     for old, new in moves:
         rt.arena.move_block(old, new)
-        _relocate(movable, old, new)
+        _relocate(rt, movable, old, new)
     for r in victims:
         rt.release(r)
     moved_out, released = {a for a, _ in moves}, {id(r) for r in victims}

@@ -133,6 +133,7 @@ class Runtime:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self.arena is not None:
+            _snap.attach(self.arena)
             _C.install_cpu_hook(self.arena)
         else:
             _C.install_budget_hook(self.budget)
@@ -197,9 +198,9 @@ class Runtime:
     # ------------------------------------------------------------------ release / restore
     def release(self, r: Record) -> None:
         """Free one value's buffer now (it stays recomputable)."""
-        if _snap.recording():
+        if self.arena is not None and _snap.recording():
             s = self.cache[r][0] if r in self.cache else r.sref
-            _snap.record("free_completed", s.data_ptr, r.nbytes, f"pymem evict {r.op}")
+            self.arena.label_next_free(s.data_ptr, f"pymem evict {r.op}")
         if r in self.cache:
             self.evicted_bytes += r.nbytes
             del self.cache[r]
@@ -216,15 +217,15 @@ class Runtime:
             self.gone[r.id] = r
 
     def add_cached(self, r: Record, sref, tensor) -> None:
-        if _snap.recording():
-            _snap.record("alloc", sref.data_ptr, r.nbytes, f"pymem rematerialize {r.op}")
+        if self.arena is not None and _snap.recording():
+            self.arena.label_last_alloc(sref.data_ptr, f"pymem rematerialize {r.op}")
         r.last_access = self.clock
         self.cache[r] = (sref, tensor)
         self.neighbourhood_forget(r)
 
     def on_rematerialized(self, r: Record) -> None:
-        if _snap.recording():
-            _snap.record("alloc", r.sref.data_ptr, r.nbytes, f"pymem rematerialize {r.op}")
+        if self.arena is not None and _snap.recording():
+            self.arena.label_last_alloc(r.sref.data_ptr, f"pymem rematerialize {r.op}")
         r.last_access = self.clock
         self.neighbourhood_forget(r)
 
