@@ -316,6 +316,8 @@ class Runtime:
             if info.seeded and (recomputable or (info.pure and not info.mutated)):  # replay, or retry
                 gen = kwargs.get("generator") or torch.default_generator
                 rng = (gen, self.allocating(gen.get_state))
+            pressure = self.pressure
+            handled = pressure.seconds
             t0 = _perf()
             try:
                 out = func(*args, **kwargs)
@@ -326,7 +328,7 @@ class Runtime:
                     out = self.run_again(func, args, kwargs, e, rng)
                 except OutOfBudgetError as e2:
                     raise self._op_error(info.name, recs, e2) from None
-            cost = _perf() - t0
+            cost = _perf() - t0 - (pressure.seconds - handled)
             if not recomputable:
                 rng = None
             elif rng is not None:  # the state tensor lives in the arena: let compaction move it
@@ -363,6 +365,9 @@ class Runtime:
                 table[_storage_key(ins[j])] = new
                 if recipe is not None:
                     self._link(recs, new)
+                    # Gone from memory like an evicted value: DTR's e* must count it, or a chain of
+                    # in-place ops (dropout's bernoulli_ then div_) looks as cheap as its last step.
+                    self.mark_gone(r)
 
         # Outputs: views of known storages just get touched; fresh storages get a record.
         if isinstance(out, _Tensor):
