@@ -128,16 +128,21 @@ uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double c
 void Arena::throw_out_of_budget_locked(size_t nbytes, const char* why) {
   stats_.num_ooms++;
   const size_t largest = std::max(main_->largest_free(), small_ ? small_->largest_free() : 0);
-  size_t unowned = 0;
-  allocated_.for_each([&](uintptr_t, const Block* b) {
-    if (b->owner == 0) unowned += b->size;
-  });
+  // Owners mean something only where the window search reads them; in handler mode the layer
+  // above decides what is releasable and keeps no owners here, so the count would mislead.
+  std::string unowned_part;
+  if (mode_.load() != SearchMode::Handler) {
+    size_t unowned = 0;
+    allocated_.for_each([&](uintptr_t, const Block* b) {
+      if (b->owner == 0) unowned += b->size;
+    });
+    unowned_part = std::to_string(unowned) + " not releasable (no owner), ";
+  }
   std::string msg = "pymem: out of budget: cannot allocate " + std::to_string(nbytes) +
                     " bytes (" + std::to_string(align_up(nbytes)) + " rounded) in a budget of " +
                     std::to_string(budget_) + " bytes: " + std::to_string(stats_.allocated_bytes) +
-                    " allocated, " + std::to_string(stats_.pinned_bytes) + " pinned, " +
-                    std::to_string(unowned) + " not releasable (no owner), largest free block " +
-                    std::to_string(largest) + " bytes; " + why + ".";
+                    " allocated, " + std::to_string(stats_.pinned_bytes) + " pinned, " + unowned_part +
+                    "largest free block " + std::to_string(largest) + " bytes; " + why + ".";
   throw OutOfBudget(msg, nbytes, budget_, stats_.allocated_bytes, stats_.pinned_bytes, largest);
 }
 
