@@ -108,6 +108,21 @@ def test_evicted_inputs_of_a_failed_op_stay_valid(managed):
     assert torch.equal(b, torch.full((256, 1024), 3.0))
 
 
+def test_an_input_that_cannot_be_recomputed_in_the_budget_names_the_op(managed):
+    pymem.enable(4 * MiB)
+    a = torch.ones(256, 1024)  # 1 MiB each
+    b = a * 3
+    pymem.evict(b)
+    with torch.no_grad():  # leaves: never released, so b's recompute finds no room
+        x, y = torch.zeros(256, 1024), torch.zeros(256, 1024)
+    with pytest.raises(pymem.OutOfBudgetError, match=r"aten\.add\.Tensor needs 1 evicted input\(s\) back "
+                                                    r"\(1048576 B\), and recomputing them does not fit") as info:
+        b + 1
+    assert info.value.op == "aten.add.Tensor"
+    del x, y
+    assert torch.equal(b, torch.full((256, 1024), 3.0))  # and now it fits
+
+
 def test_enable_errors(managed):
     with pytest.raises(ValueError, match="unknown policy 'best'; accepted: coop, dtr"):
         pymem.enable(MiB, policy="best")

@@ -280,7 +280,10 @@ class Runtime:
         try:
             evicted = [r for r in recs if r is not None and r.evicted]
             if evicted:
-                remat.restore(self, evicted)
+                try:
+                    remat.restore(self, evicted)
+                except OutOfBudgetError as e:
+                    raise self._restore_error(info.name, evicted, e) from None
             self.running.append(recs)
             # Only ops autograd records (the forward pass) get recipes. State updates (optimizer steps,
             # parameter init, running averages) run under no_grad: their outputs are the next step's
@@ -460,6 +463,21 @@ class Runtime:
                 refs.append(ArgRef(r, None, t, False))
         return refs
 
+    def _restore_error(self, name: str, evicted, e: OutOfBudgetError) -> OutOfBudgetError:
+        err = OutOfBudgetError(
+            f"pymem: {name} needs {len(evicted)} evicted input(s) back ({sum(r.nbytes for r in evicted)} B), "
+            f"and recomputing them does not fit in the budget of {self.budget} B next to what must stay "
+            f"(allocated {getattr(e, 'allocated', 0)} B, largest free block "
+            f"{getattr(e, 'largest_free_block', 0)} B). Raise the budget. Cause: {e}")
+        return self._error_like(err, name, e)
+
+    @staticmethod
+    def _error_like(err: OutOfBudgetError, name: str, e: OutOfBudgetError) -> OutOfBudgetError:
+        for k in ("requested", "budget", "allocated", "pinned_bytes", "largest_free_block"):
+            setattr(err, k, getattr(e, k, None))
+        err.op = name
+        return err
+
     def _op_error(self, name: str, recs, e: OutOfBudgetError) -> OutOfBudgetError:
         held = sum(r.nbytes for r in {id(r): r for r in recs if r is not None}.values())
         err = OutOfBudgetError(
@@ -467,10 +485,7 @@ class Runtime:
             f"but the budget is {self.budget} B and nothing else can be released "
             f"(allocated {getattr(e, 'allocated', 0)} B, largest free block "
             f"{getattr(e, 'largest_free_block', 0)} B). Raise the budget. Cause: {e}")
-        for k in ("requested", "budget", "allocated", "pinned_bytes", "largest_free_block"):
-            setattr(err, k, getattr(e, k, None))
-        err.op = name
-        return err
+        return self._error_like(err, name, e)
 
     # ------------------------------------------------------------------ stats
     def reset_peak_memory_stats(self) -> None:
