@@ -185,6 +185,40 @@ def test_overwriting_a_leaf_keeps_evicted_dependents_right(managed):
     assert torch.equal(z, (w / 2) * 3)
 
 
+def test_a_leaf_larger_than_its_evicted_dependents_restores_them_instead_of_copying(managed):
+    w = torch.rand(1 << 16)
+    pymem.enable(64 * MiB)
+    y = w[:1000] * 2  # 4 kB of dependents, 256 kB of leaf: restoring y is cheaper than a copy of w
+    want = y.clone()
+    pymem.evict(y)
+    w.add_(1.0)
+    assert not pymem.is_evicted(y) and torch.equal(y, want)  # restored before w changed
+    assert pymem.memory_stats()["num_leaf_copies"] == 0
+
+
+def test_logits_kept_across_the_optimizer_step_come_back_with_the_old_weights(managed):
+    """A training step keeps its logits in a local while the optimizer updates the weights: the
+    weights' old values are kept aside for the logits' recipe instead of recomputing the forward
+    pass before the update; reading the logits afterwards gives the values computed before it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(512, 64)
+    pymem.enable(64 * MiB)
+    logits = model(x)
+    want = logits.detach().clone()
+    logits.square().mean().backward()
+    pymem.evict(logits)
+    rematerialized = pymem.memory_stats()["num_rematerializations"]
+    opt.step()
+    s = pymem.memory_stats()
+    assert s["num_leaf_copies"] > 0
+    assert s["num_rematerializations"] == rematerialized  # nothing recomputed for the update
+    assert pymem.is_evicted(logits)
+    assert torch.equal(logits, want)  # recomputed from the old weights
+    assert not torch.equal(model(x), want)  # the model itself did change
+
+
 def test_scattered_leaves_are_moved_to_fit_a_large_request(managed):
     """Leaves (state made under no_grad) between evictable values split the free bytes; the request
     fits only if the leaves move. Their values, and the recomputed ones, must survive the move."""

@@ -6,6 +6,7 @@ kept in ``rt.cache`` as ordinary evictable values, so restoring a run of neighbo
 an evicted region) does not recompute the shared chain again for each one.
 """
 import time
+import weakref
 from typing import Iterable, List
 
 import torch
@@ -212,7 +213,7 @@ def _recompute(rt, r: Record) -> None:
                 raise
             # A functional recompute left no trace: make room (its inputs stay locked), run it again.
             out = rt.run_again(_call, (rc, args, kwargs), {}, e)
-        rt.stats_remat(time.perf_counter() - t0)
+        rt.stats_remat(time.perf_counter() - t0)  # it is an op run too: the clock moves on
     finally:
         for rec in locked:
             rec.locks -= 1
@@ -260,8 +261,9 @@ def invalidate_dependents(rt, leaf: Record, why: str) -> None:
     resident first (from the still-valid inputs) and become leaves; the rest are marked lost."""
     closure: List[Record] = []
     seen = set()
-    stack = [w() for w in leaf.children]
+    direct = [c for c in (w() for w in leaf.children) if c is not None]
     leaf.children = []
+    stack = list(direct)
     while stack:  # walk through leaves too: a record made a leaf earlier may have older dependents
         r = stack.pop()
         if r is None or r.id in seen:
@@ -270,7 +272,7 @@ def invalidate_dependents(rt, leaf: Record, why: str) -> None:
         if r.recipe is not None:
             closure.append(r)
         stack.extend(w() for w in r.children)
-    if not closure:
+    if not closure or _keep_old_value(rt, leaf, direct, closure):
         return
     # Hold every resident member, then restore the evicted ones that a tensor still references one at a
     # time, holding each: no restore can evict a member whose recipe is about to be dropped.
@@ -294,3 +296,32 @@ def invalidate_dependents(rt, leaf: Record, why: str) -> None:
         if not rt.is_available(r):
             r.lost = why
         rt.neighbourhood_forget(r)
+
+
+def _keep_old_value(rt, leaf: Record, direct: List[Record], closure: List[Record]) -> bool:
+    """Instead of restoring the dependents a tensor still holds (evicted, storage alive) before
+    ``leaf`` is overwritten, copy the leaf's current value aside and point the recipes that read it
+    at the copy: nothing is recomputed, every recipe stays valid, and the copy lives exactly as long
+    as they do. Chosen when those dependents outweigh the leaf: the logits a training step keeps in
+    a local while the optimizer updates the weights they came from would otherwise cost a whole
+    forward pass, recomputed for a value nobody reads again. Falls back (False) when the copy does
+    not fit."""
+    pending = sum(r.nbytes for r in closure if r.evicted and r.sref is not None and r.sref.alive)
+    s = leaf.sref
+    if pending < leaf.nbytes or s is None or not s.alive:
+        return False
+    try:
+        copy = rt.allocating(_clone, s.strong())
+    except OutOfBudgetError:
+        return False
+    old = rt._new_record(copy, _C.storage_key(copy), 0.0, None, f"old value of {leaf.op}")
+    copy_ref, base = _C.StorageRef(copy), s.data_ptr
+    for c in direct:
+        if c.recipe is None:
+            continue
+        for a in c.recipe.refs:
+            if a.leaf is not None and _C.StorageRef(a.leaf).data_ptr == base:
+                a.leaf = copy_ref.view(a.dtype, a.size, a.stride, a.offset)
+        old.children.append(weakref.ref(c))
+    rt.num_leaf_copies += 1
+    return True

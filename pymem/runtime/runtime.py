@@ -125,6 +125,7 @@ class Runtime:
         self.num_rematerializations = 0
         self.remat_seconds = 0.0
         self.num_invalidations = 0
+        self.num_leaf_copies = 0  # overwritten leaves kept aside for their dependents' recipes
         self.num_retries = 0
         if self.arena is not None:
             self.arena.set_pressure_handler(self.pressure)
@@ -235,8 +236,11 @@ class Runtime:
             self.neighbourhood.on_rematerialize(r.id)
 
     def stats_remat(self, seconds: float) -> None:
+        """A recompute ran: count it, and advance the logical clock by its cost as for any op, so the
+        values of one replay age in the order it made them (staleness stays meaningful)."""
         self.num_rematerializations += 1
         self.remat_seconds += seconds
+        self.clock += seconds
 
     def evict(self, t: _Tensor) -> None:
         """Evict ``t``'s storage now (testing and explicit use); it is recomputed on next use."""
@@ -505,6 +509,7 @@ class Runtime:
             "num_rematerializations": self.num_rematerializations,
             "remat_seconds": self.remat_seconds,
             "num_invalidations": self.num_invalidations,
+            "num_leaf_copies": self.num_leaf_copies,
             "num_records": len(self.table),
         })
         return s
