@@ -22,7 +22,10 @@ namespace pymem {
 
 namespace {
 
-constexpr size_t kMaxArenas = 64;
+// Each pymem.enable() installs a new arena, and arenas are never destroyed (see above), so this
+// bounds enable/disable cycles per process. The deleter tries the active arena first, so the scan
+// over older ones costs only frees of tensors that outlived their runtime.
+constexpr size_t kMaxArenas = 4096;
 // Higher than anything PyTorch registers itself, so the hook wins; uninstall re-registers the
 // previous allocator at the same priority.
 constexpr uint8_t kHookPriority = 200;
@@ -39,12 +42,17 @@ c10::Allocator* g_previous = nullptr;
 void delete_fn(void* ptr) {
   if (!ptr) return;  // c10 may hand back the null DataPtr of a 0-byte allocation
   const uintptr_t a = reinterpret_cast<uintptr_t>(ptr);
-  const size_t n = g_num_slots.load(std::memory_order_acquire);
-  for (size_t i = 0; i < n; ++i) {
-    Arena* arena = g_slots[i].load(std::memory_order_acquire);
-    if (arena->contains(a)) {
-      if (!arena->try_free(a)) break;
-      return;
+  // Fast path: most frees go to the arena installed now. Then the others, newest first.
+  Arena* active = g_active.load(std::memory_order_acquire);
+  if (active && active->contains(a)) {
+    if (active->try_free(a)) return;
+  } else {
+    for (size_t i = g_num_slots.load(std::memory_order_acquire); i-- > 0;) {
+      Arena* arena = g_slots[i].load(std::memory_order_acquire);
+      if (arena->contains(a)) {
+        if (arena->try_free(a)) return;
+        break;
+      }
     }
   }
   g_bad_frees.fetch_add(1);

@@ -161,3 +161,14 @@ def test_history_is_opt_in_bounded_and_labels_events():
     assert arena.history() == [] and not arena.recording_history
     with pytest.raises(ValueError, match="max_entries must be a positive int"):
         pymem.record_memory_history(True, max_entries=0)
+
+
+def test_many_enable_disable_cycles_in_one_process():
+    """Each enable installs a fresh arena; a long program may cycle through many budget scopes."""
+    x = torch.ones(1000)
+    kept = []
+    for i in range(100):
+        with pymem.budget("1MiB"):
+            kept.append(x * i)  # made in that scope's arena, outlives it
+    assert all(torch.equal(k, torch.full((1000,), float(i))) for i, k in enumerate(kept))
+    del kept  # freed into their (uninstalled) arenas
