@@ -32,9 +32,10 @@ def _relocate(rt, movable: Dict[int, tuple], old: int, new: int) -> None:
 
 
 class _Segment:
-    __slots__ = ("free", "holes", "movable", "releasable")
+    __slots__ = ("free", "holes", "movable", "releasable", "bounds")
 
     def __init__(self) -> None:
+        self.bounds: Tuple[int, int] = ()             # [first address, end) of its blocks
         self.free = 0
         self.holes: List[Tuple[int, int]] = []       # free blocks (addr, size)
         self.movable: List[Tuple[int, int]] = []     # blocks that may move (addr, size), address order
@@ -84,12 +85,14 @@ def _segments(rt, movable: Dict[int, tuple]) -> List[_Segment]:
         if b.region != "main":
             break
         seg = segments[-1]
+        seg.bounds = (seg.bounds[0] if seg.bounds else b.addr, b.addr + b.size)
         if not b.allocated:
             seg.free += b.size
             seg.holes.append((b.addr, b.size))
             continue
         m = movable.get(b.addr)
         if m is None:  # cannot move: ends the segment
+            seg.bounds = (seg.bounds[0], b.addr) if seg.bounds[0] < b.addr else ()
             segments.append(_Segment())
             continue
         seg.movable.append((b.addr, b.size))
@@ -170,10 +173,51 @@ def compact_for(rt, request: int) -> bool:
     for r in victims:
         rt.release(r)
     moved_out, released = {a for a, _ in moves}, {id(r) for r in victims}
-    slid = _slide(rt, movable, [a for a, _ in seg.movable
-                                if a not in moved_out and id(movable[a][0]) not in released])
+    stay = {a for a, _ in seg.movable if a not in moved_out and id(movable[a][0]) not in released}
+    slid = _slide(rt, movable, _cheapest_window(rt, seg, stay, request))
     del keep
     return bool(moves or victims or slid)
+
+
+def _cheapest_window(rt, seg: _Segment, stay: set, request: int) -> List[int]:
+    """The blocks to slide so that ``request`` fits: of the runs of the segment that start and end
+    with a free block and hold ``request`` free bytes, the one with the fewest allocated bytes to
+    move (sliding up gathers a run's free bytes at its bottom). Sliding the whole segment would
+    move everything in it, most of the arena when few blocks are pinned. Falls back to the whole
+    segment when no run holds enough (the free bytes are spread over more than one segment)."""
+    if not seg.bounds:
+        return sorted(stay)
+    lo, hi = seg.bounds
+    blocks = [(b.addr, b.size, b.allocated) for b in rt.arena.blocks()
+              if b.region == "main" and lo <= b.addr < hi]
+    best, best_cost = None, None
+    i, free, used = 0, 0, 0
+    for j, (addr, size, allocated) in enumerate(blocks):
+        if allocated and addr not in stay:  # cannot move after all: no run crosses it
+            i, free, used = j + 1, 0, 0
+            continue
+        if allocated:
+            used += size
+            continue
+        free += size
+        # Shrink from the left while the run still holds enough: drop leading allocated blocks
+        # (they need not move) and leading free blocks that are not needed.
+        while i < j:
+            a_i, s_i, alloc_i = blocks[i]
+            if alloc_i:
+                used -= s_i
+            elif free - s_i >= request:
+                free -= s_i
+            else:
+                break
+            i += 1
+        if free >= request and (best_cost is None or used < best_cost):
+            best, best_cost = (i, j), used
+    if best is None:
+        return sorted(stay)
+    i, j = best
+    return [a for a, _, allocated in blocks[i:j + 1] if allocated]
+
 
 
 def defragment_after_failure(rt) -> bool:
