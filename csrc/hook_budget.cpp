@@ -14,7 +14,6 @@
 #include <unordered_map>
 
 #include "hook_cpu.h"
-#include "py_errors.h"
 #include "types.h"
 
 namespace pymem {
@@ -45,16 +44,11 @@ void budget_delete(void* ptr) {
 }
 
 [[noreturn]] void raise_refused(size_t nbytes, size_t budget, size_t allocated) {
-  const OutOfBudget e("pymem: out of budget (allocator='native'): cannot allocate " + std::to_string(nbytes) +
-                          " bytes with " + std::to_string(allocated) + " of " + std::to_string(budget) +
-                          " bytes allocated",
-                      nbytes, budget, allocated, 0, allocated < budget ? budget - allocated : 0);
-  if (Py_IsInitialized()) {
-    pybind11::gil_scoped_acquire gil;
-    set_python_out_of_budget(e);
-    throw pybind11::error_already_set();  // PyTorch's op wrappers restore it as-is
-  }
-  TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+  raise_out_of_budget_in_allocator(
+      OutOfBudget("pymem: out of budget (allocator='native'): cannot allocate " + std::to_string(nbytes) +
+                      " bytes with " + std::to_string(allocated) + " of " + std::to_string(budget) +
+                      " bytes allocated",
+                  nbytes, budget, allocated, 0, allocated < budget ? budget - allocated : 0));
 }
 
 class BudgetCPUAllocator final : public c10::Allocator {

@@ -59,15 +59,6 @@ void delete_fn(void* ptr) {
   std::fprintf(stderr, "pymem: CPU hook asked to free %p, which no arena has allocated; ignored\n", ptr);
 }
 
-[[noreturn]] void raise_out_of_budget(const OutOfBudget& e) {
-  if (Py_IsInitialized()) {
-    pybind11::gil_scoped_acquire gil;
-    set_python_out_of_budget(e);
-    throw pybind11::error_already_set();  // PyTorch's op wrappers restore it as-is
-  }
-  TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
-}
-
 class ArenaCPUAllocator final : public c10::Allocator {
  public:
   c10::DataPtr allocate(size_t nbytes) override {
@@ -79,7 +70,7 @@ class ArenaCPUAllocator final : public c10::Allocator {
     try {
       a = arena->allocate(nbytes);
     } catch (const OutOfBudget& e) {
-      raise_out_of_budget(e);
+      raise_out_of_budget_in_allocator(e);
     }
     void* p = reinterpret_cast<void*>(a);
     return {p, p, &delete_fn, cpu};
@@ -93,6 +84,15 @@ class ArenaCPUAllocator final : public c10::Allocator {
 ArenaCPUAllocator g_allocator;
 
 }  // namespace
+
+void raise_out_of_budget_in_allocator(const OutOfBudget& e) {
+  if (Py_IsInitialized()) {
+    pybind11::gil_scoped_acquire gil;
+    set_python_out_of_budget(e);
+    throw pybind11::error_already_set();  // PyTorch's op wrappers restore it as-is
+  }
+  TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
+}
 
 bool is_cpu_hook_buffer(const void* data, const void* context, void (*deleter)(void*)) {
   return data != nullptr && data == context && deleter == &delete_fn;

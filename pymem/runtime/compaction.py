@@ -224,7 +224,7 @@ def defragment_after_failure(rt) -> bool:
     """The innermost running kernel (``rt.running[-1]``) ran out of budget and exited, leaving no
     trace: with its inputs movable too, slide every block that may move up against the next one that
     may not. True when something moved (then running it again may fit)."""
-    entry = rt.running.pop()
+    entry = rt.running.pop() if rt.running else None
     try:
         movable = movable_blocks(rt)
         keep = [m[1].strong() for m in movable.values()]
@@ -232,4 +232,5 @@ def defragment_after_failure(rt) -> bool:
         del keep
         return moved
     finally:
-        rt.running.append(entry)
+        if entry is not None:
+            rt.running.append(entry)

@@ -330,11 +330,11 @@ class Runtime:
                 out = func(*args, **kwargs)
             except OutOfBudgetError as e:
                 if info.mutated or not info.pure:  # it may have written before it ran out
-                    raise self._op_error(info.name, recs, e) from None
+                    raise self._run_error(info.name, recs, e) from None
                 try:
                     out = self.run_again(func, args, kwargs, e, rng)
                 except OutOfBudgetError as e2:
-                    raise self._op_error(info.name, recs, e2) from None
+                    raise self._run_error(info.name, recs, e2) from None
             cost = _perf() - t0 - (pressure.seconds - handled)
             if not recomputable:
                 rng = None
@@ -468,28 +468,25 @@ class Runtime:
         return refs
 
     def _restore_error(self, name: str, evicted, e: OutOfBudgetError) -> OutOfBudgetError:
+        return self._op_error(name, e, f"needs {len(evicted)} evicted input(s) back "
+                                       f"({sum(r.nbytes for r in evicted)} B), and recomputing them does not fit")
+
+    def _op_error(self, name: str, e: OutOfBudgetError, needs: str = "") -> OutOfBudgetError:
+        """The error a user sees when an op cannot run within the budget: the op, what it needed,
+        the budget and the arena's state, and the arena's own message as the cause."""
         err = OutOfBudgetError(
-            f"pymem: {name} needs {len(evicted)} evicted input(s) back ({sum(r.nbytes for r in evicted)} B), "
-            f"and recomputing them does not fit in the budget of {self.budget} B next to what must stay "
+            f"pymem: {name} {needs}, but the budget is {self.budget} B and nothing else can be released "
             f"(allocated {getattr(e, 'allocated', 0)} B, largest free block "
             f"{getattr(e, 'largest_free_block', 0)} B). Raise the budget. Cause: {e}")
-        return self._error_like(err, name, e)
-
-    @staticmethod
-    def _error_like(err: OutOfBudgetError, name: str, e: OutOfBudgetError) -> OutOfBudgetError:
         for k in ("requested", "budget", "allocated", "pinned_bytes", "largest_free_block"):
             setattr(err, k, getattr(e, k, None))
         err.op = name
         return err
 
-    def _op_error(self, name: str, recs, e: OutOfBudgetError) -> OutOfBudgetError:
+    def _run_error(self, name: str, recs, e: OutOfBudgetError) -> OutOfBudgetError:
         held = sum(r.nbytes for r in {id(r): r for r in recs if r is not None}.values())
-        err = OutOfBudgetError(
-            f"pymem: {name} needs {getattr(e, 'requested', 0)} B more while its inputs ({held} B) are held, "
-            f"but the budget is {self.budget} B and nothing else can be released "
-            f"(allocated {getattr(e, 'allocated', 0)} B, largest free block "
-            f"{getattr(e, 'largest_free_block', 0)} B). Raise the budget. Cause: {e}")
-        return self._error_like(err, name, e)
+        return self._op_error(name, e, f"needs {getattr(e, 'requested', 0)} B more while its inputs ({held} B) "
+                                       f"are held")
 
     # ------------------------------------------------------------------ stats
     def reset_peak_memory_stats(self) -> None:
