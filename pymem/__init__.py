@@ -3,6 +3,8 @@
 This layer exposes the arena (``pymem.Arena``), the CPU allocator hook, and the CUDA library's
 location. The runtime (eviction and rematerialization) builds on it.
 """
+from typing import Optional
+
 import torch  # noqa: F401  (loads libc10, which _C links against)
 
 from . import _C
@@ -31,7 +33,7 @@ def uninstall_cpu_hook() -> None:
     _C.uninstall_cpu_hook()
 
 
-def cpu_hook_arena():
+def cpu_hook_arena() -> Optional[Arena]:
     """The arena installed as the CPU allocator, or None."""
     return _C.cpu_hook_arena()
 

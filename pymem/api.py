@@ -127,8 +127,16 @@ def current() -> Optional[Runtime]:
 
 def memory_stats() -> dict:
     """Statistics of the active runtime (or of the last one, after ``disable``), named after
-    ``torch.cuda.memory_stats``: ``allocated_bytes.current``, ``allocated_bytes.peak``,
-    ``budget_bytes``, ``num_evictions``, ``num_rematerializations``, ``remat_seconds``, ..."""
+    ``torch.cuda.memory_stats``.
+
+    Always: ``budget_bytes``, ``allocated_bytes.current`` / ``.peak``, ``num_allocs``, ``num_frees``,
+    ``allocator`` (``"arena"`` or ``"native"``), ``num_ops``, ``num_evictions``, ``evicted_bytes``,
+    ``num_rematerializations``, ``remat_seconds``, ``num_invalidations``, ``num_leaf_copies``,
+    ``num_retries`` (ops run again after a refused allocation), ``num_records``.
+    With the arena: ``requested_bytes.current``, ``pinned_bytes.current``, ``free_bytes``,
+    ``largest_free_block``, ``fragmentation.largest_free`` / ``.peak`` / ``.pressure``,
+    ``num_pressure_events``, ``num_compactions``, ``num_moved_blocks``, ``moved_bytes``, ...
+    With ``allocator="native"``: ``num_refused``."""
     return _current.memory_stats() if _current is not None else dict(_last_stats)
 
 
@@ -170,7 +178,7 @@ def memory_summary() -> str:
     if not s:
         return "pymem: not enabled and never was in this process\n"
     rows = [
-        ("budget", format_bytes(s["budget_bytes"])),
+        ("budget", f"{format_bytes(s['budget_bytes'])} (allocator {s.get('allocator', 'arena')})"),
         ("allocated now / peak", f"{format_bytes(s['allocated_bytes.current'])} / {format_bytes(s['allocated_bytes.peak'])}"),
         ("peak / budget", f"{s['allocated_bytes.peak'] / s['budget_bytes']:.1%}"),
         ("ops seen", str(s.get("num_ops", 0))),
