@@ -27,7 +27,7 @@ def _resolve_device(device: Optional[str]) -> str:
 
 
 def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
-           allocator: str = "arena") -> Runtime:
+           allocator: str = "arena", sampling: bool = False) -> Runtime:
     """Keep every tensor allocated from now on inside ``budget``, evicting and recomputing tensors
     under pressure; training gives bitwise the same results. Tensors that exist already stay where
     they are (outside the budget).
@@ -45,6 +45,8 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     over the cap fails, and pymem releases values and runs the op again. It gives up compaction and
     placement, and an allocation outside an op pymem sees (a C++ extension's own buffer) fails
     instead of making room.
+    sampling: score about sqrt(N) randomly drawn candidates instead of all N at each eviction (DTR's
+    candidate sampling: cheaper decisions, worse ones at tight budgets). Off by default.
 
     Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
@@ -54,16 +56,18 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
         raise ValueError(f"allocator {allocator!r} is not accepted; accepted: "
                          f"{', '.join(map(repr, ALLOCATORS))}")
     nbytes = parse_budget(budget, device)
-    settings = (nbytes, policy, device, allocator)
+    if not isinstance(sampling, bool):
+        raise ValueError(f"sampling must be True or False, got {sampling!r}")
+    settings = (nbytes, policy, device, allocator, sampling)
     if _current is not None:
         if settings == _settings:
             return _current
         raise RuntimeError(f"pymem is already enabled with budget={_settings[0]} B, policy={_settings[1]!r}, "
-                           f"device={_settings[2]!r}, allocator={_settings[3]!r}; call pymem.disable() before "
-                           f"enabling it with budget={nbytes} B, policy={policy!r}, device={device!r}, "
-                           f"allocator={allocator!r}")
+                           f"device={_settings[2]!r}, allocator={_settings[3]!r}, sampling={_settings[4]}; call "
+                           f"pymem.disable() before enabling it with budget={nbytes} B, policy={policy!r}, "
+                           f"device={device!r}, allocator={allocator!r}, sampling={sampling}")
     check_cuda_order(device, allocator)
-    rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator)
+    rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling)
     rt.start()
     _current, _settings = rt, settings
     log.info("pymem enabled: budget %d B, policy %s, device %s, allocator %s", rt.budget, policy, device, allocator)
@@ -87,13 +91,13 @@ def check_cuda_order(device: str, allocator: str, cuda_initialized=None) -> None
 
 @contextlib.contextmanager
 def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
-           allocator: str = "arena") -> Iterator[Runtime]:
+           allocator: str = "arena", sampling: bool = False) -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
     if _current is not None:
         raise RuntimeError("pymem.budget() cannot be used while pymem is already enabled; "
                            "call pymem.disable() first")
-    rt = enable(limit, policy=policy, device=device, allocator=allocator)
+    rt = enable(limit, policy=policy, device=device, allocator=allocator, sampling=sampling)
     try:
         yield rt
     finally:

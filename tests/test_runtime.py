@@ -133,7 +133,8 @@ def test_enable_errors(managed):
     rt = pymem.enable(MiB)
     assert pymem.enable("1MiB") is rt  # the same settings: a no-op
     with pytest.raises(RuntimeError, match=r"already enabled with budget=1048576 B, policy='dtr', device='cpu', "
-                                           r"allocator='arena'; call pymem.disable\(\) before enabling it with budget=2097152 B"):
+                                           r"allocator='arena', sampling=False; call pymem.disable\(\) before enabling it with "
+                                           r"budget=2097152 B"):
         pymem.enable(2 * MiB)
     assert pymem.is_enabled()
     pymem.disable()
@@ -265,3 +266,27 @@ def test_bookkeeping_stays_bounded_over_many_steps(managed):
     assert rt.num_evictions > 400, "the budget must force evictions every step"
     assert late[0] <= early[0] + 64, (early, late)
     assert late[1] <= 1.25 * early[1] + 64, (early, late)
+
+
+def test_candidate_sampling_scores_about_sqrt_n_candidates(managed):
+    from pymem.policies.heuristics import DTRLocal
+
+    class Counting(DTRLocal):
+        calls = 0
+
+        def evaluate(self, t, now):
+            Counting.calls += 1
+            return super().evaluate(t, now)
+
+    def run(sampling):
+        Counting.calls = 0
+        rt = pymem.enable(4 * MiB, policy=Counting(), sampling=sampling)
+        x = torch.ones(16_384, requires_grad=True)  # 64 KiB values
+        keep = [x * i for i in range(100)]          # 6.4 MiB of recomputable values in 4 MiB
+        evictions = rt.num_evictions
+        assert all(torch.equal(k, torch.full((16_384,), float(i))) for i, k in enumerate(keep))
+        pymem.disable()
+        return Counting.calls / evictions
+
+    full, sampled = run(False), run(True)  # scores per eviction (compaction plans score too)
+    assert sampled < full / 4, (full, sampled)

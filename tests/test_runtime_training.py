@@ -82,9 +82,9 @@ class _Managed:
         self.enabled = False
         self.rt = None
 
-    def enable(self, budget: int, policy: str = "dtr", allocator: str = "arena"):
+    def enable(self, budget: int, policy: str = "dtr", allocator: str = "arena", sampling: bool = False):
         assert not self.enabled
-        self.rt = pymem.enable(budget=budget, policy=policy, allocator=allocator)
+        self.rt = pymem.enable(budget=budget, policy=policy, allocator=allocator, sampling=sampling)
         self.enabled = True
         return self.rt
 
@@ -119,11 +119,11 @@ def managed():
         gc.collect()
 
 
-def managed_run(managed, name: str, budget: int, policy: str, allocator: str = "arena"):
+def managed_run(managed, name: str, budget: int, policy: str, allocator: str = "arena", sampling: bool = False):
     """STEPS steps of ``name`` under the budget. Returns (losses, copies, live, stats): ``copies``
     are the parameters and buffers cloned while the runtime was still on (the clones live in the
     arena too), ``live`` the model's own tensors after ``pymem.disable()`` restored them."""
-    managed.enable(budget, policy, allocator)
+    managed.enable(budget, policy, allocator, sampling)
     failure = None
     try:
         losses = []
@@ -196,6 +196,18 @@ def test_native_allocator_training_is_bitwise_equal_at_30_percent(managed, name)
     check_budget(stats, budget)
     assert stats["allocator"] == "native"
     assert stats["num_retries"] > 0 and stats["num_rematerializations"] > 0, stats
+
+
+def test_candidate_sampling_keeps_training_bitwise_equal(managed):
+    """DTR's candidate sampling (sqrt(N) random candidates per eviction), opt-in."""
+    name = "gpt"
+    ref = reference(name)
+    budget = budget_for(name, 0.5)
+    losses, copies, live, stats = managed_run(managed, name, budget, "dtr", sampling=True)
+    check_same(name, ref, (losses, copies))
+    check_same(name, ref, (losses, live))
+    check_budget(stats, budget)
+    assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
 
 
 @pytest.mark.parametrize("policy", ["dtr-local", "lru", "coop"])

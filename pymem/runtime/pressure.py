@@ -11,17 +11,22 @@ allocator does, and this keeps one-at-a-time eviction from emptying the arena fo
 request. When no segment can hold the request, they fall back to the cheapest window.
 """
 import math
+import random
 import time
 
+from ..policies import sample_candidates
 from .compaction import compact_for
 
 _perf = time.perf_counter
 
 
 class PressureHandler:
-    def __init__(self, rt) -> None:
+    def __init__(self, rt, sampling: bool = False) -> None:
         self.rt = rt
         self.uses_window = rt.policy.name == "coop"
+        # DTR's candidate sampling: score ~sqrt(N) random values instead of all N (seeded, so a
+        # run repeats itself). Off by default: it makes tight budgets fail at random.
+        self.rng = random.Random(0) if sampling else None
         self._allocs = -1   # the arena's allocation count when we last ran: same -> same request
         self._freed = 0     # bytes released one at a time for the pending request
         # Time spent here, inside some op's allocation: the runtime takes it out of that op's
@@ -81,7 +86,11 @@ class PressureHandler:
         rt = self.rt
         now, evaluate = rt.clock, rt.policy.evaluate
         best, best_score = None, math.inf
-        for r, _ in self._candidates():
+        candidates = self._candidates()
+        if self.rng is not None:
+            pool = [r for r, _ in candidates]
+            candidates = ((r, None) for r in sample_candidates(pool, self.rng, [r.nbytes for r in pool]))
+        for r, _ in candidates:
             s = evaluate(r, now)
             if s < best_score:
                 best, best_score = r, s

@@ -87,7 +87,8 @@ class _Mode(TorchDispatchMode):
 class Runtime:
     """State of one ``pymem.enable``: arena, records, policy, statistics."""
 
-    def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena") -> None:
+    def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
+                 sampling: bool = False) -> None:
         if device != "cpu":
             raise ValueError(f"device {device!r} is not supported by this runtime yet; accepted: 'cpu'")
         if allocator not in ALLOCATORS:
@@ -97,7 +98,7 @@ class Runtime:
         budget -= budget % _C.ALIGNMENT  # the arena's granularity; rounding down keeps the cap hard
         self.budget = budget
         self.allocator = allocator
-        self.pressure = PressureHandler(self)
+        self.pressure = PressureHandler(self, sampling)
         if allocator == "arena":
             # The handler decides what to release (it refreshes block owners before any window search).
             self.arena = _C.Arena(budget, backing="host", search="handler")
