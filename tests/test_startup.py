@@ -20,7 +20,8 @@ for _ in range(12):
     x = torch.tanh(x @ w)
 x.sum().backward()
 s = pymem.memory_stats()
-print("budget", s["budget_bytes"], "policy", pymem.current().policy.name, "device", pymem.current().device)
+print("budget", s["budget_bytes"], "policy", pymem.current().policy.name, "device", pymem.current().device,
+      "allocator", s["allocator"])
 print("peak within budget", s["allocated_bytes.peak"] <= s["budget_bytes"], "evicted", s["num_evictions"] > 0)
 """
 
@@ -37,11 +38,12 @@ def test_unset_budget_imports_nothing():
     assert p.stdout.split() == ["False", "False"]
 
 
-def test_budget_variable_runs_an_unchanged_script_under_pymem():
-    p = python(TRAIN, PYMEM_BUDGET="3MiB", PYMEM_POLICY="lru", PYMEM_DEVICE="cpu")
+@pytest.mark.parametrize("allocator", ["arena", "native"])
+def test_budget_variable_runs_an_unchanged_script_under_pymem(allocator):
+    p = python(TRAIN, PYMEM_BUDGET="3MiB", PYMEM_POLICY="lru", PYMEM_DEVICE="cpu", PYMEM_ALLOCATOR=allocator)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "enabled True" in p.stdout
-    assert f"budget {3 << 20} policy lru device cpu" in p.stdout
+    assert f"budget {3 << 20} policy lru device cpu allocator {allocator}" in p.stdout
     assert "peak within budget True evicted True" in p.stdout
     assert p.stderr == ""  # silent by default
 
@@ -59,6 +61,7 @@ def test_log_variable_reports_enable_and_a_summary_at_exit():
     ("PYMEM_POLICY", "fifo", "PYMEM_POLICY='fifo' is not a policy; accepted: coop, dtr"),
     ("PYMEM_DEVICE", "tpu", "PYMEM_DEVICE='tpu' is not a device; accepted: 'cpu', 'cuda', 'cuda:N'"),
     ("PYMEM_LOG", "loud", "PYMEM_LOG='loud' is not a log level; accepted: debug, info, warning, error"),
+    ("PYMEM_ALLOCATOR", "slab", "PYMEM_ALLOCATOR='slab' is not an allocator; accepted: arena, native"),
 ])
 def test_malformed_variable_stops_the_program_before_it_starts(var, value, expected):
     env = {"PYMEM_BUDGET": "64MB", var: value}
@@ -70,7 +73,9 @@ def test_malformed_variable_stops_the_program_before_it_starts(var, value, expec
 
 def test_settings_from_env_accepts_every_budget_form_and_defaults():
     s = _startup.settings_from_env({"PYMEM_BUDGET": "1.5GiB"})
-    assert s == {"budget": parse_budget("1.5GiB"), "policy": "dtr", "device": None, "log": None}
+    assert s == {"budget": parse_budget("1.5GiB"), "policy": "dtr", "device": None, "allocator": "arena",
+                 "log": None}
     s = _startup.settings_from_env({"PYMEM_BUDGET": "10%", "PYMEM_DEVICE": "cpu", "PYMEM_POLICY": "coop",
-                                    "PYMEM_LOG": "DEBUG"})
-    assert s == {"budget": parse_budget("10%", "cpu"), "policy": "coop", "device": "cpu", "log": "debug"}
+                                    "PYMEM_ALLOCATOR": "native", "PYMEM_LOG": "DEBUG"})
+    assert s == {"budget": parse_budget("10%", "cpu"), "policy": "coop", "device": "cpu", "allocator": "native",
+                 "log": "debug"}
