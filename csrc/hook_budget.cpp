@@ -12,6 +12,7 @@
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 
 #include "hook_cpu.h"
 #include "types.h"
@@ -23,7 +24,10 @@ namespace {
 constexpr uint8_t kHookPriority = 200;  // as the arena hook: above anything PyTorch registers
 
 std::mutex g_mutex;  // guards everything below
-std::unordered_map<void*, size_t> g_sizes;
+// Size and install epoch of every live buffer: only the current install's buffers count against
+// its budget (those of an earlier pymem.enable may outlive it and die at any time).
+std::unordered_map<void*, std::pair<size_t, uint64_t>> g_sizes;
+uint64_t g_epoch = 0;
 BudgetHookStats g_stats;
 c10::Allocator* g_inner = nullptr;          // the allocator we wrap (set once, never changes)
 c10::DeleterFnPtr g_inner_delete = nullptr;
@@ -35,8 +39,10 @@ void budget_delete(void* ptr) {
     std::lock_guard<std::mutex> lock(g_mutex);
     auto it = g_sizes.find(ptr);
     if (it != g_sizes.end()) {
-      g_stats.allocated -= it->second;
-      g_stats.num_frees++;
+      if (it->second.second == g_epoch) {
+        g_stats.allocated -= it->second.first;
+        g_stats.num_frees++;
+      }
       g_sizes.erase(it);
     }
   }
@@ -79,7 +85,7 @@ class BudgetCPUAllocator final : public c10::Allocator {
       throw;
     }
     std::lock_guard<std::mutex> lock(g_mutex);
-    g_sizes.emplace(p, nbytes);
+    g_sizes.emplace(p, std::make_pair(nbytes, g_epoch));
     g_stats.num_allocs++;
     if (g_stats.allocated > g_stats.peak) g_stats.peak = g_stats.allocated;
     return {p, p, &budget_delete, cpu};
@@ -111,7 +117,8 @@ void install_budget_hook(size_t budget) {
     }
     c10::SetCPUAllocator(&g_allocator, kHookPriority);
     g_installed = true;
-    g_stats.peak = g_stats.allocated;  // a fresh install starts its own peak
+    g_epoch++;  // a fresh install counts only its own buffers, from zero
+    g_stats = BudgetHookStats{};
   }
   g_stats.budget = budget;
 }

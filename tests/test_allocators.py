@@ -110,3 +110,28 @@ def test_enabling_the_arena_after_cuda_initialised_is_a_clear_error(monkeypatch)
     with pytest.raises(RuntimeError, match="came after CUDA was initialised"):
         pymem.enable("1GB", device="cuda")
     assert not pymem.is_enabled() and pymem.cpu_hook_arena() is None
+
+
+def test_native_allocator_never_picks_an_empty_storage_to_release(managed):
+    """Found by the property test: under the native allocator an empty storage (a 0-element op
+    output) was a release candidate, and evicting it raised."""
+    pymem.enable(512 << 10, policy="lru", allocator="native")  # lru: the oldest value goes first
+    x = torch.ones(25_000, requires_grad=True)
+    empty = x[:0] * 2  # 0 bytes, recomputable, and the oldest value
+    values = [x * i for i in range(1, 8)]  # 100 kB each: the budget forces releases
+    assert all(torch.equal(v, torch.full((25_000,), float(i + 1))) for i, v in enumerate(values))
+    assert empty.shape == (0,) and pymem.memory_stats()["num_evictions"] > 0
+
+
+def test_buffers_of_an_earlier_native_run_are_not_charged_to_the_next(managed):
+    pymem.enable("1MiB", allocator="native")
+    with torch.no_grad():
+        kept = torch.ones(200_000)  # 800 kB, made in the first run and outliving it
+    pymem.disable()
+    pymem.enable("1MiB", allocator="native")
+    with torch.no_grad():
+        y = torch.ones(200_000)  # fits: the first run's 800 kB are not this run's
+    assert pymem.memory_stats()["allocated_bytes.current"] == 800_000
+    del kept  # freed later, into the first run's count: this run's count is untouched
+    assert pymem.memory_stats()["allocated_bytes.current"] == 800_000
+    assert y.sum().item() == 200_000

@@ -161,7 +161,9 @@ class Runtime:
     def _new_record(self, t: _Tensor, key: int, cost: float, recipe, op: str) -> Record:
         sref = _StorageRef(t)
         ptr = sref.data_ptr
-        in_arena = self.lo <= ptr < self.hi and sref.nbytes > self._small or self.arena is None
+        # Releasable by us: above the small region in the arena; any non-empty buffer under the
+        # native allocator (_small is 0 there).
+        in_arena = sref.nbytes > self._small and (self.arena is None or self.lo <= ptr < self.hi)
         r = Record(self, sref, sref.nbytes, cost, self.clock, recipe, op, in_arena)
         table = self.table
         table[key] = r
