@@ -1,8 +1,8 @@
 """Random programs under the runtime compute bitwise what they compute without it.
 
 Hypothesis draws short programs over a few tensors: functional ops, in-place ops (whole tensors
-and through views), dropout, matmul, optimizer-style updates of the leaves, explicit evictions,
-and dropping tensors; then a backward pass. Run once plainly and once under a budget that forces
+and through views), dropout, matmul, cat of views, a broadcast reduction, optimizer-style updates
+of the leaves, explicit evictions, and dropping tensors; then a backward pass. Run once plainly and once under a budget that forces
 evictions, every live tensor and every leaf gradient must be equal bit for bit, and the arena's
 peak must stay within the budget.
 """
@@ -29,6 +29,8 @@ step = st.one_of(
     st.tuples(st.just("transpose"), slot, slot),
     st.tuples(st.just("dropout"), slot, slot),
     st.tuples(st.just("matmul"), slot, slot, slot),
+    st.tuples(st.just("cat"), slot, slot, slot),
+    st.tuples(st.just("center"), slot, slot),
     st.tuples(st.just("leaf_update"), st.integers(0, 1)),
     st.tuples(st.just("evict"), slot),
     st.tuples(st.just("drop"), slot),
@@ -71,6 +73,12 @@ def run(program, managed: bool):
         elif kind == "matmul":
             _, d, i, j = s
             xs[d] = (xs[i] @ xs[j]) / N
+        elif kind == "cat":  # views of two values, joined
+            _, d, i, j = s
+            xs[d] = torch.cat([xs[i][:, : N // 2], xs[j][:, N // 2:]], 1)
+        elif kind == "center":  # a reduction broadcast back
+            _, d, i = s
+            xs[d] = xs[i] - xs[i].mean(0, keepdim=True)
         elif kind == "leaf_update":
             with torch.no_grad():
                 leaves[s[1]].mul_(0.9).add_(0.01)  # what an optimizer does between steps
@@ -100,12 +108,12 @@ def unmanaged_peak(program) -> int:
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=st.lists(step, min_size=1, max_size=25), policy=st.sampled_from(["dtr", "lru", "coop"]),
-       allocator=st.sampled_from(["arena", "native"]))
-def test_random_programs_are_bitwise_equal_under_a_tight_budget(program, policy, allocator):
+       allocator=st.sampled_from(["arena", "native"]), sampling=st.booleans())
+def test_random_programs_are_bitwise_equal_under_a_tight_budget(program, policy, allocator, sampling):
     want = run(program, managed=False)
     # 75% of the program's peak, plus the arena's small region: the pressure handler must release.
     budget = int(0.75 * unmanaged_peak(program)) // 512 * 512 + 64 * 1024
-    pymem.enable(budget, policy=policy, allocator=allocator)
+    pymem.enable(budget, policy=policy, allocator=allocator, sampling=sampling)
     try:
         got = run(program, managed=True)
         stats = pymem.memory_stats()
