@@ -32,10 +32,10 @@ def _relocate(rt, movable: Dict[int, tuple], old: int, new: int) -> None:
 
 
 class _Segment:
-    __slots__ = ("free", "holes", "movable", "releasable", "bounds")
+    __slots__ = ("free", "holes", "movable", "releasable", "blocks")
 
     def __init__(self) -> None:
-        self.bounds: Tuple[int, int] = ()             # [first address, end) of its blocks
+        self.blocks: List[Tuple[int, int, bool]] = []  # (addr, size, allocated), address order
         self.free = 0
         self.holes: List[Tuple[int, int]] = []       # free blocks (addr, size)
         self.movable: List[Tuple[int, int]] = []     # blocks that may move (addr, size), address order
@@ -85,16 +85,16 @@ def _segments(rt, movable: Dict[int, tuple]) -> List[_Segment]:
         if b.region != "main":
             break
         seg = segments[-1]
-        seg.bounds = (seg.bounds[0] if seg.bounds else b.addr, b.addr + b.size)
         if not b.allocated:
+            seg.blocks.append((b.addr, b.size, False))
             seg.free += b.size
             seg.holes.append((b.addr, b.size))
             continue
         m = movable.get(b.addr)
         if m is None:  # cannot move: ends the segment
-            seg.bounds = (seg.bounds[0], b.addr) if seg.bounds[0] < b.addr else ()
             segments.append(_Segment())
             continue
+        seg.blocks.append((b.addr, b.size, True))
         seg.movable.append((b.addr, b.size))
         if m[2]:  # waited-on inputs of a pending recompute go last
             r = m[0]
@@ -172,30 +172,23 @@ def compact_for(rt, request: int) -> bool:
         _relocate(rt, movable, old, new)
     for r in victims:
         rt.release(r)
-    moved_out, released = {a for a, _ in moves}, {id(r) for r in victims}
-    stay = {a for a, _ in seg.movable if a not in moved_out and id(movable[a][0]) not in released}
-    slid = _slide(rt, movable, _cheapest_window(rt, seg, stay, request))
+    released = {id(r) for r in victims}
+    gone = {a for a, _ in moves} | {a for _, r, a, _ in seg.releasable if id(r) in released}
+    slid = _slide(rt, movable, _cheapest_window(seg, gone, request))
     del keep
     return bool(moves or victims or slid)
 
 
-def _cheapest_window(rt, seg: _Segment, stay: set, request: int) -> List[int]:
-    """The blocks to slide so that ``request`` fits: of the runs of the segment that start and end
-    with a free block and hold ``request`` free bytes, the one with the fewest allocated bytes to
-    move (sliding up gathers a run's free bytes at its bottom). Sliding the whole segment would
-    move everything in it, most of the arena when few blocks are pinned. Falls back to the whole
-    segment when no run holds enough (the free bytes are spread over more than one segment)."""
-    if not seg.bounds:
-        return sorted(stay)
-    lo, hi = seg.bounds
-    blocks = [(b.addr, b.size, b.allocated) for b in rt.arena.blocks()
-              if b.region == "main" and lo <= b.addr < hi]
+def _cheapest_window(seg: _Segment, gone: set, request: int) -> List[int]:
+    """The blocks to slide so that ``request`` fits, once the blocks at the addresses in ``gone``
+    (moved out, released) are free: of the runs of the segment that end with a free block and
+    hold ``request`` free bytes, the one with the fewest allocated bytes to move (sliding up
+    gathers a run's free bytes at its bottom). Sliding the whole segment would move everything in
+    it, most of the arena when few blocks are pinned. The whole segment when no run holds enough."""
+    blocks = [(a, n, used and a not in gone) for a, n, used in seg.blocks]
     best, best_cost = None, None
     i, free, used = 0, 0, 0
-    for j, (addr, size, allocated) in enumerate(blocks):
-        if allocated and addr not in stay:  # cannot move after all: no run crosses it
-            i, free, used = j + 1, 0, 0
-            continue
+    for j, (_, size, allocated) in enumerate(blocks):
         if allocated:
             used += size
             continue
@@ -203,7 +196,7 @@ def _cheapest_window(rt, seg: _Segment, stay: set, request: int) -> List[int]:
         # Shrink from the left while the run still holds enough: drop leading allocated blocks
         # (they need not move) and leading free blocks that are not needed.
         while i < j:
-            a_i, s_i, alloc_i = blocks[i]
+            _, s_i, alloc_i = blocks[i]
             if alloc_i:
                 used -= s_i
             elif free - s_i >= request:
@@ -213,11 +206,8 @@ def _cheapest_window(rt, seg: _Segment, stay: set, request: int) -> List[int]:
             i += 1
         if free >= request and (best_cost is None or used < best_cost):
             best, best_cost = (i, j), used
-    if best is None:
-        return sorted(stay)
-    i, j = best
-    return [a for a, _, allocated in blocks[i:j + 1] if allocated]
-
+    lo, hi = best if best is not None else (0, len(blocks) - 1)
+    return [a for a, _, allocated in blocks[lo:hi + 1] if allocated]
 
 
 def defragment_after_failure(rt) -> bool:

@@ -86,11 +86,11 @@ class PressureHandler:
         rt = self.rt
         now, evaluate = rt.clock, rt.policy.evaluate
         best, best_score = None, math.inf
-        candidates = self._candidates()
+        candidates = (r for r, _ in self._candidates())
         if self.rng is not None:
-            pool = [r for r, _ in candidates]
-            candidates = ((r, None) for r in sample_candidates(pool, self.rng, [r.nbytes for r in pool]))
-        for r, _ in candidates:
+            pool = list(candidates)
+            candidates = sample_candidates(pool, self.rng, [r.nbytes for r in pool])
+        for r in candidates:
             s = evaluate(r, now)
             if s < best_score:
                 best, best_score = r, s

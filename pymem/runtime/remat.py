@@ -82,9 +82,10 @@ def _replay(rt, targets: List[Record], budget: _Budget, rank_base: int, nesting:
                                f"each for a value released while still needed. Raise the budget.")
     order = _plan(rt, targets)
     n = len(order)
+    inputs_of = [r.recipe.input_records() for r in order]
     reads = {}  # value id -> [value, positions of the plan's steps that read it, index of the next]
-    for i, r in enumerate(order):
-        for a in r.recipe.input_records():
+    for i, inputs in enumerate(inputs_of):
+        for a in inputs:
             e = reads.get(a.id)
             if e is None:
                 reads[a.id] = [a, [i], 0]
@@ -98,8 +99,8 @@ def _replay(rt, targets: List[Record], budget: _Budget, rank_base: int, nesting:
         _rank(a, rank_base + n - pos[0])
     try:
         for i, r in enumerate(order):
+            inputs = inputs_of[i]
             if not rt.is_available(r):
-                inputs = r.recipe.input_records()
                 while True:
                     missing = [a for a in inputs if not rt.is_available(a)]
                     if not missing:
@@ -114,7 +115,7 @@ def _replay(rt, targets: List[Record], budget: _Budget, rank_base: int, nesting:
                             a.locks -= 1
                 budget.tick()
                 _recompute(rt, r)
-            for a in r.recipe.input_records():  # this step's read is done
+            for a in inputs:  # this step's read is done
                 e = reads.get(a.id)
                 if e is None or e[1][e[2]] != i:
                     continue

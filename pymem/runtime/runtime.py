@@ -202,9 +202,10 @@ class Runtime:
     # ------------------------------------------------------------------ release / restore
     def release(self, r: Record) -> None:
         """Free one value's buffer now (it stays recomputable)."""
-        if self.arena is not None and _snap.recording():
+        history = self._history()
+        if history is not None:
             s = self.cache[r][0] if r in self.cache else r.sref
-            self.arena.label_next_free(s.data_ptr, f"pymem evict {r.op}")
+            history.label_next_free(s.data_ptr, f"pymem evict {r.op}")
         if r in self.cache:
             self.evicted_bytes += r.nbytes
             del self.cache[r]
@@ -221,17 +222,21 @@ class Runtime:
             self.gone[r.id] = r
 
     def add_cached(self, r: Record, sref, tensor) -> None:
-        if self.arena is not None and _snap.recording():
-            self.arena.label_last_alloc(sref.data_ptr, f"pymem rematerialize {r.op}")
-        r.last_access = self.clock
         self.cache[r] = (sref, tensor)
+        self.on_rematerialized(r, sref)
+
+    def on_rematerialized(self, r: Record, sref=None) -> None:
+        """r's value is back, in its own storage or (``sref``) in the recompute cache."""
+        history = self._history()
+        if history is not None:
+            s = sref if sref is not None else r.sref
+            history.label_last_alloc(s.data_ptr, f"pymem rematerialize {r.op}")
+        r.last_access = self.clock
         self.neighbourhood_forget(r)
 
-    def on_rematerialized(self, r: Record) -> None:
-        if self.arena is not None and _snap.recording():
-            self.arena.label_last_alloc(r.sref.data_ptr, f"pymem rematerialize {r.op}")
-        r.last_access = self.clock
-        self.neighbourhood_forget(r)
+    def _history(self):
+        """The arena, when it records a history to label (snapshots); else None."""
+        return self.arena if self.arena is not None and _snap.recording() else None
 
     def neighbourhood_forget(self, r: Record) -> None:
         """r's value is back in memory (or no longer recomputable): it leaves the evicted neighbourhood."""
