@@ -8,7 +8,7 @@ import torch
 from . import snapshot
 from .budget import parse_budget
 from .runtime import Runtime
-from .runtime.runtime import ALLOCATORS
+from .runtime.runtime import ALLOCATORS, COSTS
 
 log = logging.getLogger("pymem")
 log.addHandler(logging.NullHandler())  # silent unless the application configures logging
@@ -27,7 +27,7 @@ def _resolve_device(device: Optional[str]) -> str:
 
 
 def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
-           allocator: str = "arena", sampling: bool = False) -> Runtime:
+           allocator: str = "arena", sampling: bool = False, cost: Optional[str] = None) -> Runtime:
     """Keep every tensor allocated from now on inside ``budget``, evicting and recomputing tensors
     under pressure; training gives bitwise the same results. Tensors that exist already stay where
     they are (outside the budget).
@@ -48,6 +48,11 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     sampling: score about sqrt(N) randomly drawn candidates instead of all N at each eviction (DTR's
     candidate sampling: cheaper decisions, worse ones at tight budgets). Off by default.
 
+    cost: how an op's compute cost (what eviction weighs) is known. ``"measured"``: its wall time
+    (the CPU default; CPU ops are synchronous). ``"estimate"``: FLOPs and bytes moved at rates timed
+    on the device once per process (``pymem.cost_model``; the CUDA default, where a host timer would
+    see only the kernel launch). Estimates make the same decisions on every run.
+
     Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
     global _current, _settings
@@ -58,16 +63,20 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     nbytes = parse_budget(budget, device)
     if not isinstance(sampling, bool):
         raise ValueError(f"sampling must be True or False, got {sampling!r}")
-    settings = (nbytes, policy, device, allocator, sampling)
+    if cost is not None and cost not in COSTS:
+        raise ValueError(f"cost {cost!r} is not accepted; accepted: None (by device), "
+                         f"{', '.join(map(repr, COSTS))}")
+    settings = (nbytes, policy, device, allocator, sampling, cost)
     if _current is not None:
         if settings == _settings:
             return _current
         raise RuntimeError(f"pymem is already enabled with budget={_settings[0]} B, policy={_settings[1]!r}, "
-                           f"device={_settings[2]!r}, allocator={_settings[3]!r}, sampling={_settings[4]}; call "
-                           f"pymem.disable() before enabling it with budget={nbytes} B, policy={policy!r}, "
-                           f"device={device!r}, allocator={allocator!r}, sampling={sampling}")
+                           f"device={_settings[2]!r}, allocator={_settings[3]!r}, sampling={_settings[4]}, "
+                           f"cost={_settings[5]!r}; call pymem.disable() before enabling it with budget={nbytes} B, "
+                           f"policy={policy!r}, device={device!r}, allocator={allocator!r}, sampling={sampling}, "
+                           f"cost={cost!r}")
     check_cuda_order(device, allocator)
-    rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling)
+    rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost)
     rt.start()
     _current, _settings = rt, settings
     log.info("pymem enabled: budget %d B, policy %s, device %s, allocator %s", rt.budget, policy, device, allocator)
@@ -91,13 +100,13 @@ def check_cuda_order(device: str, allocator: str, cuda_initialized=None) -> None
 
 @contextlib.contextmanager
 def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
-           allocator: str = "arena", sampling: bool = False) -> Iterator[Runtime]:
+           allocator: str = "arena", sampling: bool = False, cost: Optional[str] = None) -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
     if _current is not None:
         raise RuntimeError("pymem.budget() cannot be used while pymem is already enabled; "
                            "call pymem.disable() first")
-    rt = enable(limit, policy=policy, device=device, allocator=allocator, sampling=sampling)
+    rt = enable(limit, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost)
     try:
         yield rt
     finally:

@@ -214,7 +214,8 @@ def _recompute(rt, r: Record) -> None:
                 raise
             # A functional recompute left no trace: make room (its inputs stay locked), run it again.
             out = rt.run_again(_call, (rc, args, kwargs), {}, e)
-        rt.stats_remat(time.perf_counter() - t0)  # it is an op run too: the clock moves on
+        # It is an op run too: the clock moves on (by the estimate when costs are estimated).
+        rt.stats_remat(time.perf_counter() - t0 if rt.cost_model is None else r.compute_cost)
     finally:
         for rec in locked:
             rec.locks -= 1

@@ -9,6 +9,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import _C
+from .. import cost_model as _cost_model
 from .. import snapshot as _snap
 from ..errors import OutOfBudgetError
 from ..policies import EvictedNeighbourhood, Policy, get_policy
@@ -26,6 +27,7 @@ _perf = time.perf_counter
 _grad_enabled = torch.is_grad_enabled
 _SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its recipe up to this size
 ALLOCATORS = ("arena", "native")
+COSTS = ("measured", "estimate")
 _NATIVE_RETRIES = 64  # rounds of release-and-retry for one op under the native allocator
 
 
@@ -88,11 +90,22 @@ class Runtime:
     """State of one ``pymem.enable``: arena, records, policy, statistics."""
 
     def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
-                 sampling: bool = False) -> None:
+                 sampling: bool = False, cost=None) -> None:
         if device != "cpu":
             raise ValueError(f"device {device!r} is not supported by this runtime yet; accepted: 'cpu'")
         if allocator not in ALLOCATORS:
             raise ValueError(f"allocator {allocator!r} is not one of {', '.join(map(repr, ALLOCATORS))}")
+        # An op's cost: its measured wall time (CPU ops are synchronous), or a calibrated FLOP/byte
+        # estimate (what CUDA needs: a host timer sees only the launch). Calibrated before the
+        # allocator is installed, so its buffers stay out of the budget.
+        if cost is None:
+            cost = "measured" if device == "cpu" else "estimate"
+        if isinstance(cost, _cost_model.CostModel):
+            self.cost_model: Optional[_cost_model.CostModel] = cost
+        elif cost in COSTS:
+            self.cost_model = _cost_model.calibrated(device) if cost == "estimate" else None
+        else:
+            raise ValueError(f"cost {cost!r} is not one of {', '.join(map(repr, COSTS))} or a pymem.cost_model.CostModel")
         self.device = torch.device(device)
         self.policy: Policy = policy if isinstance(policy, Policy) else get_policy(policy)
         budget -= budget % _C.ALIGNMENT  # the arena's granularity; rounding down keeps the cap hard
@@ -343,7 +356,11 @@ class Runtime:
                     out = self.run_again(func, args, kwargs, e, rng)
                 except OutOfBudgetError as e2:
                     raise self._run_error(info.name, recs, e2) from None
-            cost = _perf() - t0 - (pressure.seconds - handled)
+            estimate = self.cost_model
+            if estimate is None:
+                cost = _perf() - t0 - (pressure.seconds - handled)
+            else:
+                cost = estimate.seconds(func, args, kwargs, ins, out)
             if not recomputable:
                 rng = None
             elif rng is not None:  # the state tensor lives in the arena: let compaction move it
