@@ -7,6 +7,7 @@ import torch
 
 from . import snapshot
 from .budget import parse_budget
+from .cost_model import CostModel
 from .runtime import Runtime
 from .runtime.runtime import ALLOCATORS, COSTS
 
@@ -27,7 +28,8 @@ def _resolve_device(device: Optional[str]) -> str:
 
 
 def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
-           allocator: str = "arena", sampling: bool = False, cost: Optional[str] = None) -> Runtime:
+           allocator: str = "arena", sampling: bool = False,
+           cost: Union[None, str, CostModel] = None) -> Runtime:
     """Keep every tensor allocated from now on inside ``budget``, evicting and recomputing tensors
     under pressure; training gives bitwise the same results. Tensors that exist already stay where
     they are (outside the budget).
@@ -51,7 +53,8 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     cost: how an op's compute cost (what eviction weighs) is known. ``"measured"``: its wall time
     (the CPU default; CPU ops are synchronous). ``"estimate"``: FLOPs and bytes moved at rates timed
     on the device once per process (``pymem.cost_model``; the CUDA default, where a host timer would
-    see only the kernel launch). Estimates make the same decisions on every run.
+    see only the kernel launch). Or a ``pymem.cost_model.CostModel`` with fixed rates. Estimates make
+    the same decisions every time a program runs in one process; fixed rates, on every machine.
 
     Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
@@ -63,9 +66,9 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     nbytes = parse_budget(budget, device)
     if not isinstance(sampling, bool):
         raise ValueError(f"sampling must be True or False, got {sampling!r}")
-    if cost is not None and cost not in COSTS:
+    if cost is not None and not isinstance(cost, CostModel) and cost not in COSTS:
         raise ValueError(f"cost {cost!r} is not accepted; accepted: None (by device), "
-                         f"{', '.join(map(repr, COSTS))}")
+                         f"{', '.join(map(repr, COSTS))}, or a pymem.cost_model.CostModel")
     settings = (nbytes, policy, device, allocator, sampling, cost)
     if _current is not None:
         if settings == _settings:
@@ -100,7 +103,8 @@ def check_cuda_order(device: str, allocator: str, cuda_initialized=None) -> None
 
 @contextlib.contextmanager
 def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
-           allocator: str = "arena", sampling: bool = False, cost: Optional[str] = None) -> Iterator[Runtime]:
+           allocator: str = "arena", sampling: bool = False,
+           cost: Union[None, str, CostModel] = None) -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
     if _current is not None:

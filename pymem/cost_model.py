@@ -5,8 +5,9 @@ so the runtime prices ops with ``launch + max(flops / flop_rate, bytes / byte_ra
 FLOPs from ``torch.utils.flop_counter``'s registry (matmuls, convolutions, attention; zero for the
 rest), bytes as the sum of the input and output tensors' sizes. The three rates come from timing a
 matmul, a large add and a one-element add on the device once per process (CUDA events on a GPU,
-the host clock on the CPU, where ops are synchronous). The estimate is also deterministic: the same
-program makes the same eviction decisions on every run, which measured times cannot promise.
+the host clock on the CPU, where ops are synchronous). Estimates are also repeatable: with fixed
+rates the same program makes the same eviction decisions on every run, which measured times cannot
+promise.
 
 This module knows nothing of the runtime; the runtime and the simulator both price ops with it.
 """

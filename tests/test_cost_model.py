@@ -82,19 +82,17 @@ def test_runtime_prices_ops_with_the_given_model(managed):
     rt = pymem.enable(64 * MiB, cost=None)
     assert rt.cost_model is None  # measured on the CPU by default
     pymem.disable()
-    rt = pymem.runtime.Runtime(64 * MiB, cost=model)
-    rt.start()
-    try:
-        x = torch.ones(100_000)
-        y = x * 2
-        r = rt.table[pymem._C.storage_key(y)]
-        assert r.compute_cost == pytest.approx(1e-6 + 800_000 / 1e9)
-    finally:
-        rt.stop()
+    rt = pymem.enable(64 * MiB, cost=model)
+    assert rt.cost_model is model
+    x = torch.ones(100_000)
+    y = x * 2
+    r = rt.table[pymem._C.storage_key(y)]
+    assert r.compute_cost == pytest.approx(1e-6 + 800_000 / 1e9)
 
 
 def test_bad_cost_is_refused_and_changing_it_needs_disable(managed):
-    with pytest.raises(ValueError, match="'timed'.*accepted: None \\(by device\\), 'measured', 'estimate'"):
+    with pytest.raises(ValueError, match="'timed'.*accepted: None \\(by device\\), 'measured', 'estimate', or a "
+                                         "pymem.cost_model.CostModel"):
         pymem.enable(64 * MiB, cost="timed")
     assert not pymem.is_enabled()
     pymem.enable(64 * MiB, cost="estimate")

@@ -23,8 +23,9 @@ def order(policy, tensors, now=100.0):
 
 
 def test_registry():
-    assert policy_names() == ["coop", "dtr", "dtr-local", "lru", "msps", "size"]
-    with pytest.raises(ValueError, match=r"unknown policy 'dtr2'; accepted: coop, dtr, dtr-local, lru, msps, size"):
+    assert policy_names() == ["coop", "dtr", "dtr-chain", "dtr-local", "lru", "msps", "size"]
+    with pytest.raises(ValueError, match=r"unknown policy 'dtr2'; accepted: coop, dtr, dtr-chain, dtr-local, lru, "
+                                         r"msps, size"):
         get_policy("dtr2")
     assert get_policy("dtr").uses_neighbourhood and not get_policy("dtr-local").uses_neighbourhood
 
@@ -45,6 +46,16 @@ def test_dtr_counts_the_evicted_neighbourhood_and_local_does_not():
     assert get_policy("dtr").evaluate(a, 100) < get_policy("dtr").evaluate(b, 100)
     assert get_policy("dtr-local").evaluate(a, 100) == get_policy("dtr-local").evaluate(b, 100)
     assert get_policy("dtr").evaluate(b, 100) == pytest.approx(11.0 / (1000 * 50.0))
+
+
+def test_dtr_chain_adds_the_evicted_ancestors_to_dtr():
+    a = T(1000, 1.0, 50.0, evicted_neighbour_cost=10.0)
+    b = T(1000, 1.0, 50.0, evicted_neighbour_cost=10.0, evicted_ancestor_cost=30.0)
+    chain, dtr = get_policy("dtr-chain"), get_policy("dtr")
+    assert chain.evaluate(a, 100) == dtr.evaluate(a, 100)  # no evicted ancestors: h_DTR
+    assert chain.evaluate(b, 100) == pytest.approx(41.0 / (1000 * 50.0))
+    assert chain.evaluate(b, 100) > dtr.evaluate(b, 100)
+    assert order("dtr-chain", [b, a]) == [1, 0]
 
 
 def test_lru_size_msps_coop():

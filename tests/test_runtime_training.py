@@ -236,7 +236,7 @@ def test_estimated_costs_make_the_same_decisions_every_run(managed):
     assert counts[0]["num_evictions"] > 0
 
 
-@pytest.mark.parametrize("policy", ["dtr-local", "lru", "coop"])
+@pytest.mark.parametrize("policy", ["dtr-chain", "dtr-local", "lru", "coop"])
 def test_other_policies_gpt_half_budget(managed, policy):
     name = "gpt"
     ref = reference(name)

@@ -7,13 +7,14 @@ a tensor only through the read-only attributes of :class:`TensorView` and the lo
     dtr = get_policy("dtr")
     victim = min(candidates, key=lambda t: dtr.evaluate(t, now))
 
-Names: ``dtr`` (h_DTR with the union-find estimate of e*), ``dtr-local``, ``lru``, ``size``,
+Names: ``dtr`` (h_DTR with the union-find estimate of e*), ``dtr-chain`` (h_DTR plus the exact cost of
+evicted ancestors), ``dtr-local``, ``lru``, ``size``,
 ``msps`` (Capuchin), ``coop`` (h = c'/s, fed to the arena's window search as block cost).
 """
 from .base import Policy, TensorView, get_policy, policy_names, register
-from .heuristics import Coop, DTR, DTRLocal, LRU, MSPS, Size
+from .heuristics import Coop, DTR, DTRChain, DTRLocal, LRU, MSPS, Size
 from .neighbourhood import EvictedNeighbourhood
 from .sampling import sample_candidates
 
-__all__ = ["Policy", "TensorView", "get_policy", "policy_names", "register", "DTR", "DTRLocal", "LRU",
+__all__ = ["Policy", "TensorView", "get_policy", "policy_names", "register", "DTR", "DTRChain", "DTRLocal", "LRU",
            "Size", "MSPS", "Coop", "EvictedNeighbourhood", "sample_candidates"]
