@@ -8,7 +8,7 @@ interpreter without it pays one environment lookup and never imports torch. The 
   PYMEM_BUDGET   the budget, in any form ``pymem.parse_budget`` accepts ("20GB", "80%", ...)
   PYMEM_POLICY   the eviction policy (default ``dtr``)
   PYMEM_DEVICE   ``cpu`` or ``cuda`` (default: CUDA when available, else CPU)
-  PYMEM_ALLOCATOR ``arena`` (default) or ``native`` (see ``pymem.enable``)
+  PYMEM_ALLOCATOR ``arena`` or ``native`` (default: by device, see ``pymem.enable``)
   PYMEM_LOG      ``debug``, ``info``, ``warning`` or ``error``: pymem's log to stderr at that level
                  (at ``info``, a summary line when the program ends)
 
@@ -45,8 +45,8 @@ def settings_from_env(environ: Mapping[str, str]) -> Dict[str, object]:
     if policy not in policy_names():
         raise ValueError(f"PYMEM_POLICY={policy!r} is not a policy; accepted: {', '.join(policy_names())}")
     settings["policy"] = policy
-    allocator = environ.get("PYMEM_ALLOCATOR", "").strip() or "arena"
-    if allocator not in ALLOCATORS:
+    allocator = environ.get("PYMEM_ALLOCATOR", "").strip() or None  # None: by device (pymem.enable)
+    if allocator is not None and allocator not in ALLOCATORS:
         raise ValueError(f"PYMEM_ALLOCATOR={allocator!r} is not an allocator; accepted: {', '.join(ALLOCATORS)}")
     settings["allocator"] = allocator
     level = environ.get("PYMEM_LOG", "").strip().lower()

@@ -28,7 +28,7 @@ def _resolve_device(device: Optional[str]) -> str:
 
 
 def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
-           allocator: str = "arena", sampling: bool = False,
+           allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None) -> Runtime:
     """Keep every tensor allocated from now on inside ``budget``, evicting and recomputing tensors
     under pressure; training gives bitwise the same results. Tensors that exist already stay where
@@ -36,10 +36,12 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
 
     budget: bytes (int) or a string — ``"20GB"``, ``"20GiB"``, ``"512MB"``, ``"1.5TB"``, ``"80%"`` of the
     device's memory (see ``pymem.budget``'s module doc for the units).
-    policy: one of ``pymem.policies.policy_names()`` (``dtr``, ``dtr-local``, ``lru``, ``size``,
-    ``msps``, ``coop``).
-    device: ``None`` (CUDA when available, else CPU) or ``"cpu"``.
-    allocator: ``"arena"`` (default) — pymem's arena of exactly ``budget`` bytes replaces PyTorch's
+    policy: one of ``pymem.policies.policy_names()`` (``dtr``, ``dtr-chain``, ``dtr-local``, ``lru``,
+    ``size``, ``msps``, ``coop``).
+    device: ``None`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+    allocator: ``None`` picks ``"arena"`` on the CPU and ``"native"`` on CUDA (the arena's CUDA library
+    is not wired to the runtime yet, so CUDA accepts only ``"native"`` for now).
+    ``"arena"`` — pymem's arena of exactly ``budget`` bytes replaces PyTorch's
     allocator: the budget holds for every allocation, eviction happens before an allocation that
     does not fit, and blocks are placed and compacted against fragmentation. On CUDA it must be
     installed before CUDA initialises. ``"native"`` — PyTorch's own allocator stays (on CUDA: the
@@ -60,6 +62,8 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     """
     global _current, _settings
     device = _resolve_device(device)
+    if allocator is None:
+        allocator = "native" if device.startswith("cuda") else "arena"
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator {allocator!r} is not accepted; accepted: "
                          f"{', '.join(map(repr, ALLOCATORS))}")
@@ -103,7 +107,7 @@ def check_cuda_order(device: str, allocator: str, cuda_initialized=None) -> None
 
 @contextlib.contextmanager
 def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
-           allocator: str = "arena", sampling: bool = False,
+           allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None) -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""

@@ -1,11 +1,14 @@
 """allocator="native" (PyTorch's allocator capped at the budget, release-and-retry on refusal), the
 budget hook under it, and the CUDA-order check of allocator="arena" (simulated on CPU by the check)."""
+import types
+
 import pytest
 import torch
 
 import pymem
 from pymem import _C
 from pymem.api import check_cuda_order
+from pymem.runtime.native import CudaCap, requested_bytes
 
 
 @pytest.fixture
@@ -108,8 +111,81 @@ def test_enabling_the_arena_after_cuda_initialised_is_a_clear_error(monkeypatch)
     # Through enable(): the check comes first, before any allocator is touched.
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="came after CUDA was initialised"):
-        pymem.enable("1GB", device="cuda")
+        pymem.enable("1GB", device="cuda", allocator="arena")
     assert not pymem.is_enabled() and pymem.cpu_hook_arena() is None
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error():
+    with pytest.raises(ValueError, match="device 'cuda': CUDA is not available here .*use device='cpu'"):
+        pymem.enable("1GB", device="cuda")
+    assert not pymem.is_enabled()
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", "meta"])
+def test_unknown_device_is_a_clear_error(device):
+    with pytest.raises(ValueError, match=f"device '{device}' is not accepted; accepted: 'cpu', 'cuda', 'cuda:N'"):
+        pymem.enable("1GB", device=device)
+    assert not pymem.is_enabled()
+
+
+class FakeCuda:
+    """torch.cuda's memory calls, for CudaCap's logic without a GPU: a caching allocator capped at
+    fraction * total, whose stats the test sets."""
+
+    def __init__(self, total):
+        self.total, self.fraction, self.peak_resets = total, 1.0, 0
+        self.stats = {"allocated_bytes.all.current": 0, "allocated_bytes.all.peak": 0, "num_ooms": 3,
+                      "reserved_bytes.all.current": 0, "reserved_bytes.all.peak": 0,
+                      "allocation.all.allocated": 0, "allocation.all.freed": 0}
+
+    def current_device(self):
+        return 0
+
+    def get_device_properties(self, index):
+        return types.SimpleNamespace(total_memory=self.total)
+
+    def set_per_process_memory_fraction(self, fraction, index):
+        assert 0 <= fraction <= 1 and index == 1
+        self.fraction = fraction
+
+    def reset_peak_memory_stats(self, index):
+        self.peak_resets += 1
+
+    def memory_stats(self, index):
+        return dict(self.stats)
+
+    def memory_reserved(self, index):
+        return self.stats["reserved_bytes.all.current"]
+
+
+def test_cuda_native_cap_is_a_memory_fraction_and_prices_refusals():
+    cuda = FakeCuda(total=80 << 30)
+    cap = CudaCap(20 << 30, torch.device("cuda:1"), cuda=cuda)
+    cap.install()
+    assert cuda.fraction == 0.25 and cuda.peak_resets == 1
+    cuda.stats.update({"allocated_bytes.all.current": 5 << 30, "allocated_bytes.all.peak": 7 << 30,
+                       "reserved_bytes.all.current": 19 << 30, "num_ooms": 5})
+    s = cap.stats()
+    assert s["budget_bytes"] == 20 << 30 and s["allocated_bytes.current"] == 5 << 30
+    assert s["allocated_bytes.peak"] == 7 << 30 and s["reserved_bytes.current"] == 19 << 30
+    assert s["num_refused"] == 2  # refusals since install only
+    # PyTorch's message (c10's format_size: two decimals, binary units).
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 1 has a total capacity of "
+                                 "80.00 GiB of which 1.00 GiB is free.")
+    assert requested_bytes(oom) == int(2.5 * (1 << 30))
+    assert cap.deficit(oom, 0) == int(2.5 * (1 << 30)) - (1 << 30)  # lacks what the cap leaves
+    assert cap.deficit(oom, 1) == int(2.5 * (1 << 30))  # a retry that failed again: the whole request
+    assert requested_bytes(torch.OutOfMemoryError("Tried to allocate 512 bytes")) == 512
+    assert cap.deficit(torch.OutOfMemoryError("out of memory"), 0) == 1  # no size in the message
+    cap.uninstall()
+    assert cuda.fraction == 1.0
+
+
+def test_cuda_native_cap_refuses_a_budget_over_the_device():
+    cap = CudaCap(100 << 30, torch.device("cuda:1"), cuda=FakeCuda(total=80 << 30))
+    with pytest.raises(ValueError, match=r"budget 107374182400 B is more than cuda:1's memory \(85899345920 B\)"):
+        cap.install()
 
 
 def test_native_allocator_never_picks_an_empty_storage_to_release(managed):

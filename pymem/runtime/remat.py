@@ -209,7 +209,7 @@ def _recompute(rt, r: Record) -> None:
         t0 = time.perf_counter()
         try:
             out = _call(rc, args, kwargs)
-        except OutOfBudgetError as e:
+        except torch.OutOfMemoryError as e:
             if any(a.mutated for a in rc.refs):  # it may have written its private copy: no retry
                 raise
             # A functional recompute left no trace: make room (its inputs stay locked), run it again.
@@ -314,7 +314,7 @@ def _keep_old_value(rt, leaf: Record, direct: List[Record], closure: List[Record
         return False
     try:
         copy = rt.allocating(_clone, s.strong())
-    except OutOfBudgetError:
+    except torch.OutOfMemoryError:
         return False
     old = rt._new_record(copy, _C.storage_key(copy), 0.0, None, f"old value of {leaf.op}")
     copy_ref, base = _C.StorageRef(copy), s.data_ptr

@@ -1,6 +1,7 @@
 """The runtime: one arena of exactly ``budget`` bytes as the device allocator, and a lean
 TorchDispatchMode that records every aten op's outputs, restores evicted inputs before an op runs,
 and lets the policy release values when the arena is under pressure."""
+import operator
 import time
 import weakref
 from typing import Dict, List, Optional
@@ -14,6 +15,7 @@ from .. import snapshot as _snap
 from ..errors import OutOfBudgetError
 from ..policies import EvictedNeighbourhood, Policy, get_policy
 from . import compaction, remat
+from .native import cap_for
 from .ops import mutated_tensors, op_info
 from .pressure import PressureHandler
 from .records import ArgRef, Recipe, Record, Slot
@@ -29,6 +31,9 @@ _SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its
 ALLOCATORS = ("arena", "native")
 COSTS = ("measured", "estimate")
 _NATIVE_RETRIES = 64  # rounds of release-and-retry for one op under the native allocator
+# A refused allocation: pymem's OutOfBudgetError (its subclass), or the CUDA caching allocator's
+# out-of-memory under allocator="native"'s memory fraction. Either leaves a functional op no trace.
+_Refused = torch.OutOfMemoryError
 
 
 def _collect(values, out: List[_Tensor]) -> None:
@@ -77,6 +82,26 @@ def _template(values, counter: List[int]) -> list:
     return out
 
 
+def _check_device(device: str, allocator: str) -> torch.device:
+    """The runtime's device: the CPU, or one CUDA device with allocator="native" (the arena's CUDA
+    runtime, libpymem_cuda.so under the runtime's pressure handler, is not wired yet)."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} is not accepted; accepted: 'cpu', 'cuda', 'cuda:N'")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: CUDA is not available here (no GPU visible, or a "
+                             f"CPU-only torch build); use device='cpu'")
+        if allocator != "native":
+            raise ValueError(f"device {device!r} with allocator {allocator!r}: on CUDA the runtime runs "
+                             f"with allocator='native' for now (PyTorch's caching allocator capped at the "
+                             f"budget); the arena on CUDA is not wired to the runtime yet")
+    return dev
+
+
 class _Mode(TorchDispatchMode):
     def __init__(self, rt: "Runtime") -> None:
         super().__init__()
@@ -91,10 +116,10 @@ class Runtime:
 
     def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
                  sampling: bool = False, cost=None) -> None:
-        if device != "cpu":
-            raise ValueError(f"device {device!r} is not supported by this runtime yet; accepted: 'cpu'")
         if allocator not in ALLOCATORS:
             raise ValueError(f"allocator {allocator!r} is not one of {', '.join(map(repr, ALLOCATORS))}")
+        self.device = _check_device(device, allocator)
+        device = self.device.type
         # An op's cost: its measured wall time (CPU ops are synchronous), or a calibrated FLOP/byte
         # estimate (what CUDA needs: a host timer sees only the launch). Calibrated before the
         # allocator is installed, so its buffers stay out of the budget.
@@ -106,7 +131,6 @@ class Runtime:
             self.cost_model = _cost_model.calibrated(device) if cost == "estimate" else None
         else:
             raise ValueError(f"cost {cost!r} is not one of {', '.join(map(repr, COSTS))} or a pymem.cost_model.CostModel")
-        self.device = torch.device(device)
         self.policy: Policy = policy if isinstance(policy, Policy) else get_policy(policy)
         budget -= budget % _C.ALIGNMENT  # the arena's granularity; rounding down keeps the cap hard
         self.budget = budget
@@ -120,6 +144,7 @@ class Runtime:
             self._small = self.arena.small_threshold
         else:  # PyTorch's allocator, capped: a refused request is retried after releasing values
             self.arena = None
+            self.native = cap_for(self.device, budget)
             self.lo = self.hi = self.main_hi = self._small = 0
         # Inputs (records, or leaf tensors) of the kernels running now, innermost last: a kernel may
         # hold their addresses, so compaction leaves them where they are. Locks only stop release.
@@ -144,6 +169,11 @@ class Runtime:
         if self.arena is not None:
             self.arena.set_pressure_handler(self.pressure)
         self.mode: Optional[_Mode] = None
+        # Tensors on this device are managed; others (the CPU batch of a CUDA run) are left alone.
+        self._on_device = operator.attrgetter("is_cpu" if device == "cpu" else "is_cuda")
+        self._default_generator = torch.default_generator if device == "cpu" else \
+            torch.cuda.default_generators[self.device.index if self.device.index is not None else
+                                           torch.cuda.current_device()]
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -151,7 +181,7 @@ class Runtime:
             _snap.attach(self.arena)
             _C.install_cpu_hook(self.arena)
         else:
-            _C.install_budget_hook(self.budget)
+            self.native.install()
         self.mode = _Mode(self)
         self.mode.__enter__()
 
@@ -164,7 +194,7 @@ class Runtime:
             _C.uninstall_cpu_hook()
             self.arena.set_pressure_handler(None)
         else:
-            _C.uninstall_budget_hook()
+            self.native.uninstall()
         evicted = [r for r in self.table.values() if r.evicted and r.sref.alive]
         remat.restore(self, evicted)
         self.table.clear()
@@ -287,8 +317,9 @@ class Runtime:
         recs = []
         managed = True
         table = self.table
+        on_device = self._on_device
         for t in ins:
-            if not t.is_cpu:
+            if not on_device(t):
                 managed = False
                 recs.append(None)
                 continue
@@ -307,7 +338,7 @@ class Runtime:
             if evicted:
                 try:
                     remat.restore(self, evicted)
-                except OutOfBudgetError as e:
+                except _Refused as e:
                     raise self._restore_error(info.name, evicted, e) from None
             self.running.append(recs)
             # Only ops autograd records (the forward pass) get recipes. State updates (optimizer steps,
@@ -342,19 +373,19 @@ class Runtime:
                             recomputable = False
             rng = None
             if info.seeded and (recomputable or (info.pure and not info.mutated)):  # replay, or retry
-                gen = kwargs.get("generator") or torch.default_generator
+                gen = kwargs.get("generator") or self._default_generator
                 rng = (gen, self.allocating(gen.get_state))
             pressure = self.pressure
             handled = pressure.seconds
             t0 = _perf()
             try:
                 out = func(*args, **kwargs)
-            except OutOfBudgetError as e:
+            except _Refused as e:
                 if info.mutated or not info.pure:  # it may have written before it ran out
                     raise self._run_error(info.name, recs, e) from None
                 try:
                     out = self.run_again(func, args, kwargs, e, rng)
-                except OutOfBudgetError as e2:
+                except _Refused as e2:
                     raise self._run_error(info.name, recs, e2) from None
             estimate = self.cost_model
             if estimate is None:
@@ -409,7 +440,7 @@ class Runtime:
         else:
             return out
         for i, o in enumerate(outs):
-            if not isinstance(o, _Tensor) or not o.is_cpu:
+            if not isinstance(o, _Tensor) or not on_device(o):
                 continue
             key = _storage_key(o)
             if not key:
@@ -432,15 +463,15 @@ class Runtime:
         before refusing, so the arena compacts with the op's inputs movable now, once. A capped
         native allocator releases nothing by itself: release values for the refused request and
         retry, as long as each round releases something."""
-        for _ in range(1 if self.arena is not None else _NATIVE_RETRIES):
-            if not self.make_room(e):
+        for round in range(1 if self.arena is not None else _NATIVE_RETRIES):
+            if not self.make_room(e, round):
                 break
             self.num_retries += 1
             if rng is not None:
                 rng[0].set_state(rng[1])  # replay from the same generator state, as if it ran once
             try:
                 return func(*args, **kwargs)
-            except OutOfBudgetError as again:
+            except _Refused as again:
                 # Drop the traceback: it holds this frame, whose locals hold the op's tensors, in a
                 # cycle that only the garbage collector would break.
                 e = again.with_traceback(None)
@@ -451,16 +482,15 @@ class Runtime:
         native allocator nothing makes room before a refusal, so make it after one and retry."""
         try:
             return fn(*args)
-        except OutOfBudgetError as e:
+        except _Refused as e:
             return self.run_again(fn, args, {}, e)
 
-    def make_room(self, e: OutOfBudgetError) -> bool:
-        """After a refused request: True if something was done that may let it through now."""
+    def make_room(self, e: BaseException, round: int = 0) -> bool:
+        """After a refused request (``round``: how many retries it already had): True if something
+        was done that may let it through now."""
         if self.arena is not None:
             return compaction.defragment_after_failure(self)
-        requested, budget, allocated = (getattr(e, k, None) for k in ("requested", "budget", "allocated"))
-        deficit = requested - (budget - allocated) if None not in (requested, budget, allocated) else 1
-        return self.pressure.release_for(max(deficit, 1))
+        return self.pressure.release_for(self.native.deficit(e, round))
 
     @staticmethod
     def _link(recs, new: Record) -> None:
@@ -518,10 +548,10 @@ class Runtime:
         if self.arena is not None:
             self.arena.reset_peak_memory_stats()
         else:
-            _C.budget_hook_reset_peak()
+            self.native.reset_peak()
 
     def memory_stats(self) -> dict:
-        s = self.arena.stats() if self.arena is not None else _C.budget_hook_stats()
+        s = self.arena.stats() if self.arena is not None else self.native.stats()
         s.update({
             "allocator": self.allocator,
             "num_retries": self.num_retries,
