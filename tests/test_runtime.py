@@ -126,15 +126,15 @@ def test_an_input_that_cannot_be_recomputed_in_the_budget_names_the_op(managed):
 def test_enable_errors(managed):
     with pytest.raises(ValueError, match="unknown policy 'best'; accepted: coop, dtr"):
         pymem.enable(MiB, policy="best")
-    with pytest.raises(ValueError, match="device 'cuda' is not supported"):
-        pymem.enable(MiB, device="cuda", allocator="native")  # native: no CUDA-order check
+    with pytest.raises(ValueError, match="device 'xla' is not accepted; accepted: 'cpu', 'cuda', 'cuda:N'"):
+        pymem.enable(MiB, device="xla")
     with pytest.raises(ValueError, match="budget '1 gigabyte' is not accepted: expected an int of bytes"):
         pymem.enable("1 gigabyte")
     rt = pymem.enable(MiB)
     assert pymem.enable("1MiB") is rt  # the same settings: a no-op
     with pytest.raises(RuntimeError, match=r"already enabled with budget=1048576 B, policy='dtr', device='cpu', "
-                                           r"allocator='arena', sampling=False; call pymem.disable\(\) before enabling it with "
-                                           r"budget=2097152 B"):
+                                           r"allocator='arena', sampling=False, cost=None; call pymem.disable\(\) before "
+                                           r"enabling it with budget=2097152 B"):
         pymem.enable(2 * MiB)
     assert pymem.is_enabled()
     pymem.disable()
