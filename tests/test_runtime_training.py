@@ -174,14 +174,22 @@ def check_budget(stats, budget):
     assert stats["remat_seconds"] >= 0.0
 
 
-@pytest.mark.parametrize("name,ratio", [(n, r) for n in rm.NAMES for r in RATIOS])
-def test_training_is_bitwise_equal_under_budget(managed, name, ratio):
+def trained_bitwise_equal(managed, name: str, ratio: float, policy: str = "dtr", **options) -> dict:
+    """Trains ``name`` under ``ratio`` of its unmanaged peak; asserts every loss, parameter and buffer
+    (cloned under pymem, and live after disable) equals the unmanaged run and the budget held.
+    Returns the run's memory_stats()."""
     ref = reference(name)
     budget = budget_for(name, ratio)
-    losses, copies, live, stats = managed_run(managed, name, budget, "dtr")
+    losses, copies, live, stats = managed_run(managed, name, budget, policy, **options)
     check_same(name, ref, (losses, copies))
     check_same(name, ref, (losses, live))
     check_budget(stats, budget)
+    return stats
+
+
+@pytest.mark.parametrize("name,ratio", [(n, r) for n in rm.NAMES for r in RATIOS])
+def test_training_is_bitwise_equal_under_budget(managed, name, ratio):
+    stats = trained_bitwise_equal(managed, name, ratio, "dtr")
     assert stats["num_evictions"] > 0, f"{name} at {ratio}: nothing was evicted ({stats})"
     assert stats["num_rematerializations"] > 0, f"{name} at {ratio}: nothing was recomputed ({stats})"
 
@@ -190,25 +198,14 @@ def test_training_is_bitwise_equal_under_budget(managed, name, ratio):
 def test_native_allocator_training_is_bitwise_equal_at_30_percent(managed, name):
     """allocator="native": PyTorch's allocator capped at the budget; refused requests are retried
     after releasing values. Same guarantees at the tightest ratio."""
-    ref = reference(name)
-    budget = budget_for(name, 0.3)
-    losses, copies, live, stats = managed_run(managed, name, budget, "dtr", allocator="native")
-    check_same(name, ref, (losses, copies))
-    check_same(name, ref, (losses, live))
-    check_budget(stats, budget)
+    stats = trained_bitwise_equal(managed, name, 0.3, "dtr", allocator="native")
     assert stats["allocator"] == "native"
     assert stats["num_retries"] > 0 and stats["num_rematerializations"] > 0, stats
 
 
 def test_candidate_sampling_keeps_training_bitwise_equal(managed):
     """DTR's candidate sampling (sqrt(N) random candidates per eviction), opt-in."""
-    name = "gpt"
-    ref = reference(name)
-    budget = budget_for(name, 0.5)
-    losses, copies, live, stats = managed_run(managed, name, budget, "dtr", sampling=True)
-    check_same(name, ref, (losses, copies))
-    check_same(name, ref, (losses, live))
-    check_budget(stats, budget)
+    stats = trained_bitwise_equal(managed, "gpt", 0.5, "dtr", sampling=True)
     assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
 
 
@@ -216,12 +213,7 @@ def test_candidate_sampling_keeps_training_bitwise_equal(managed):
 def test_estimated_costs_train_bitwise_equal_at_30_percent(managed, name):
     """cost="estimate" (CUDA's default: FLOP/byte estimates, no host timer) on the CPU: the same
     guarantees at the tightest ratio."""
-    ref = reference(name)
-    budget = budget_for(name, 0.3)
-    losses, copies, live, stats = managed_run(managed, name, budget, "dtr", cost="estimate")
-    check_same(name, ref, (losses, copies))
-    check_same(name, ref, (losses, live))
-    check_budget(stats, budget)
+    stats = trained_bitwise_equal(managed, name, 0.3, "dtr", cost="estimate")
     assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
 
 
@@ -238,13 +230,7 @@ def test_estimated_costs_make_the_same_decisions_every_run(managed):
 
 @pytest.mark.parametrize("policy", ["dtr-chain", "dtr-local", "lru", "coop"])
 def test_other_policies_gpt_half_budget(managed, policy):
-    name = "gpt"
-    ref = reference(name)
-    budget = budget_for(name, 0.5)
-    losses, copies, live, stats = managed_run(managed, name, budget, policy)
-    check_same(name, ref, (losses, copies))
-    check_same(name, ref, (losses, live))
-    check_budget(stats, budget)
+    stats = trained_bitwise_equal(managed, "gpt", 0.5, policy)
     assert stats["num_evictions"] > 0, f"{policy}: nothing was evicted ({stats})"
 
 
