@@ -157,7 +157,9 @@ def memory_stats() -> dict:
     With the arena: ``requested_bytes.current``, ``pinned_bytes.current``, ``free_bytes``,
     ``largest_free_block``, ``fragmentation.largest_free`` / ``.peak`` / ``.pressure``,
     ``num_pressure_events``, ``num_compactions``, ``num_moved_blocks``, ``moved_bytes``, ...
-    With ``allocator="native"``: ``num_refused``."""
+    With ``allocator="native"``: ``num_refused``; on CUDA also ``reserved_bytes.current`` / ``.peak``
+    (what the cap holds). With ``cost="estimate"``, ``remat_seconds`` sums the recomputed ops'
+    estimates."""
     return _current.memory_stats() if _current is not None else dict(_last_stats)
 
 
