@@ -118,10 +118,11 @@ def calibrated(device: str = "cpu") -> CostModel:
     do not pay for it again). Call it before pymem's allocator is installed: its buffers are
     ordinary PyTorch allocations."""
     dev = torch.device(device)
-    key = str(dev) if dev.type != "cuda" else f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
-    model = _calibrated.get(key)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    model = _calibrated.get(str(dev))
     if model is None:
-        model = _calibrated[key] = _calibrate(torch.device(key))
+        model = _calibrated[str(dev)] = _calibrate(dev)
     return model
 
 

@@ -139,9 +139,6 @@ class FakeCuda:
                       "reserved_bytes.all.current": 0, "reserved_bytes.all.peak": 0,
                       "allocation.all.allocated": 0, "allocation.all.freed": 0}
 
-    def current_device(self):
-        return 0
-
     def get_device_properties(self, index):
         return types.SimpleNamespace(total_memory=self.total)
 

@@ -52,7 +52,9 @@ class CpuCap:
         _C.budget_hook_reset_peak()
 
     def deficit(self, e: BaseException, round: int) -> int:
-        requested, budget, allocated = (getattr(e, k, None) for k in ("requested", "budget", "allocated"))
+        """What the refused request lacked (the hook's error carries its numbers)."""
+        budget, allocated = getattr(e, "budget", None), getattr(e, "allocated", None)
+        requested = requested_bytes(e)
         if None in (requested, budget, allocated):
             return 1
         return max(requested - (budget - allocated), 1)
@@ -62,9 +64,11 @@ class CudaCap:
     """The CUDA caching allocator capped with ``set_per_process_memory_fraction``."""
 
     def __init__(self, budget: int, device: torch.device, cuda=torch.cuda) -> None:
+        if device.index is None:
+            raise ValueError(f"CudaCap needs a device with an index (cuda:N), got {device}")
         self.budget = budget
         self.cuda = cuda
-        self.index = device.index if device.index is not None else cuda.current_device()
+        self.index = device.index
         self._base_ooms = 0
 
     def install(self) -> None:

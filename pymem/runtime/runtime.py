@@ -99,6 +99,8 @@ def _check_device(device: str, allocator: str) -> torch.device:
             raise ValueError(f"device {device!r} with allocator {allocator!r}: on CUDA the runtime runs "
                              f"with allocator='native' for now (PyTorch's caching allocator capped at the "
                              f"budget); the arena on CUDA is not wired to the runtime yet")
+        if dev.index is None:  # "cuda" means the current device: fix it now, once
+            dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
@@ -128,7 +130,7 @@ class Runtime:
         if isinstance(cost, _cost_model.CostModel):
             self.cost_model: Optional[_cost_model.CostModel] = cost
         elif cost in COSTS:
-            self.cost_model = _cost_model.calibrated(device) if cost == "estimate" else None
+            self.cost_model = _cost_model.calibrated(str(self.device)) if cost == "estimate" else None
         else:
             raise ValueError(f"cost {cost!r} is not one of {', '.join(map(repr, COSTS))} or a pymem.cost_model.CostModel")
         self.policy: Policy = policy if isinstance(policy, Policy) else get_policy(policy)
@@ -172,8 +174,7 @@ class Runtime:
         # Tensors on this device are managed; others (the CPU batch of a CUDA run) are left alone.
         self._on_device = operator.attrgetter("is_cpu" if device == "cpu" else "is_cuda")
         self._default_generator = torch.default_generator if device == "cpu" else \
-            torch.cuda.default_generators[self.device.index if self.device.index is not None else
-                                           torch.cuda.current_device()]
+            torch.cuda.default_generators[self.device.index]
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
