@@ -7,6 +7,7 @@
 
 #include "hook_budget.h"
 #include "hook_cpu.h"
+#include "hook_pluggable.h"
 #include "storage.h"
 #endif
 
@@ -31,6 +32,13 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
         "Restore the CPU allocator PyTorch had before; tensors made meanwhile stay valid.");
   m.def("cpu_hook_arena", &pymem::cpu_hook_arena, "The installed arena, or None.");
   m.def("cpu_hook_bad_frees", &pymem::cpu_hook_bad_frees);
+  m.def("arena_block_provider", &pymem::arena_block_provider, py::arg("arena"),
+        "Address of a pymem_block_provider (cuda_lib.h) serving blocks from `arena`, for "
+        "libpymem_cuda.so's pymem_cuda_set_provider. The arena then lives as long as the process.");
+  m.def("install_pluggable_cpu_hook", &pymem::install_pluggable_cpu_hook, py::arg("alloc_fn"), py::arg("free_fn"),
+        "Route CPU allocations to C functions with CUDAPluggableAllocator's signatures (addresses): "
+        "runs libpymem_cuda.so on CPU tensors, over a fake CUDA table, in tests.");
+  m.def("uninstall_pluggable_cpu_hook", &pymem::uninstall_pluggable_cpu_hook);
   m.def("install_budget_hook", &pymem::install_budget_hook, py::arg("budget"),
         "allocator='native': keep PyTorch's CPU allocator, but refuse (OutOfBudgetError) any request "
         "that would hold more than `budget` bytes. Installing again changes the budget.");

@@ -5,6 +5,8 @@
 #include <pybind11/stl.h>
 
 #include "arena.h"
+#include "backing.h"
+#include "cuda_table.h"
 #include "bench.h"
 #include "py_errors.h"
 
@@ -162,15 +164,18 @@ void bind_arena(py::module_& m) {
   py::class_<Arena, std::shared_ptr<Arena>>(m, "Arena", R"doc(
 One range of exactly `budget` bytes, cut into 512-byte-aligned blocks in address order.
 
-Arena(budget, backing="host", small_threshold=16384, small_region=None, search="window")
-  backing: "host" (an mmap'd slab, pages committed on touch) or "virtual" (addresses only, no
-  memory: for simulation and tests). Requests <= small_threshold bytes go to a small region at the
+Arena(budget, backing="host", small_threshold=16384, small_region=None, search="window", device=0,
+      cuda_table=0)
+  backing: "host" (an mmap'd slab, pages committed on touch), "virtual" (addresses only, no
+  memory: for simulation and tests) or "cuda" (one cudaMalloc slab on `device`, through the CUDA
+  runtime table at address `cuda_table`; its blocks do not move, so it never compacts). Requests <= small_threshold bytes go to a small region at the
   top of the range (small_region bytes; default budget/64, at most 64 MiB) that eviction never scans.
   search: "window" (Coop's cheapest contiguous window), "one_at_a_time" (cheapest single block), or
   "handler" (no search: the pressure handler chooses alone and gets window=None).
 )doc")
       .def(py::init([](long long budget, const std::string& backing, long long small_threshold,
-                       py::object small_region, const std::string& search) {
+                       py::object small_region, const std::string& search, int device,
+                       uintptr_t cuda_table) {
              if (budget <= 0)
                throw InvalidArgument("budget must be a positive number of bytes, got " + std::to_string(budget));
              if (small_threshold < 0)
@@ -184,10 +189,18 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
                c.small_region = size_t(sr);
              }
              c.mode = parse_mode(search);
-             return std::shared_ptr<Arena>(make_arena(backing, c));
+             if (backing != "cuda") return std::shared_ptr<Arena>(make_arena(backing, c));
+             if (!cuda_table)
+               throw InvalidArgument("a 'cuda' arena needs cuda_table: the address of the CUDA runtime table "
+                                     "(pymem.cuda_lib.load().runtime_table())");
+             if (device < 0) throw InvalidArgument("device must be >= 0, got " + std::to_string(device));
+             check_budget(c.budget);
+             return std::make_shared<Arena>(
+                 make_cuda_backing(c.budget, device, reinterpret_cast<const pymem_cuda_table*>(cuda_table)), c);
            }),
            py::arg("budget"), py::arg("backing") = "host", py::arg("small_threshold") = kDefaultSmallThreshold,
-           py::arg("small_region") = py::none(), py::arg("search") = "window")
+           py::arg("small_region") = py::none(), py::arg("search") = "window", py::arg("device") = 0,
+           py::arg("cuda_table") = 0)
       .def("allocate",
            [](Arena& a, long long nbytes, const std::string& cost_class, uint64_t owner, double cost,
               bool pinned) {

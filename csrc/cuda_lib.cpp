@@ -14,6 +14,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -41,6 +42,7 @@ using pymem::format_address;
 
 // What the library knows about a live (allocated, not yet freed) block.
 struct BlockInfo {
+  const pymem_block_provider* provider = nullptr;  // null: the device's own arena
   size_t size = 0;                  // rounded bytes
   uint64_t owner = 0;               // mirrors the arena's, for pymem_cuda_free_owned
   void* alloc_stream = nullptr;
@@ -49,6 +51,7 @@ struct BlockInfo {
 
 // A freed block waiting for the work of the streams that used it.
 struct PendingFree {
+  const pymem_block_provider* provider = nullptr;
   uintptr_t addr = 0;
   size_t size = 0;
   std::vector<void*> events;  // not yet seen complete
@@ -60,6 +63,7 @@ struct PendingFree {
 struct Device {
   int index = 0;
   std::shared_ptr<Arena> arena;
+  const pymem_block_provider* provider = nullptr;  // set: new blocks come from it, not the arena
   bool has_primary = false;
   void* primary = nullptr;
   std::unordered_map<uintptr_t, BlockInfo> live;
@@ -74,9 +78,12 @@ struct State {
   std::mutex mu;
   bool configured = false;
   pymem::ArenaConfig config;
-  bool custom_table = false;
-  pymem_cuda_table table{};                // the copy given to pymem_cuda_set_table
+  // The copy of the table given to pymem_cuda_set_table. Never freed: pymem_cuda_runtime_table
+  // hands it out for the life of the process.
+  const pymem_cuda_table* custom_table = nullptr;
   const pymem_cuda_table* active = nullptr;  // what the arenas use; set with the first arena
+  // Copies given to pymem_cuda_set_provider, never freed: blocks point at the one that made them.
+  std::vector<std::unique_ptr<pymem_block_provider>> providers;
   pymem_pressure_fn pressure_fn = nullptr;
   void* pressure_ctx = nullptr;
   std::map<int, std::unique_ptr<Device>> devices;
@@ -128,9 +135,17 @@ int acquire_event_locked(State& s, Device& d, void** ev) {
   return err;
 }
 
+// Gives a freed block back to where it came from.
+void release_block_locked(Device& d, const pymem_block_provider* provider, uintptr_t addr) {
+  if (provider)
+    provider->free(provider->ctx, addr, d.index);
+  else
+    d.arena->try_free(addr);
+}
+
 void release_pending_locked(Device& d, size_t i) {
   PendingFree& p = d.pending[i];
-  d.arena->try_free(p.addr);
+  release_block_locked(d, p.provider, p.addr);
   d.pending_bytes -= p.size;
   if (i + 1 != d.pending.size()) d.pending[i] = std::move(d.pending.back());
   d.pending.pop_back();
@@ -236,6 +251,18 @@ void install_handler(Arena& arena, int device, bool on) {
     arena.set_pressure_handler(nullptr);
 }
 
+// The CUDA runtime table in use: the custom one, or libcudart loaded now.
+int ensure_table_locked(State& s) {
+  if (s.active) return 0;
+  if (s.custom_table) {
+    s.active = s.custom_table;
+    return 0;
+  }
+  std::string err;
+  s.active = pymem::load_cuda_runtime(&err);
+  return s.active ? 0 : fail(PYMEM_CUDA_E_CUDA, err);
+}
+
 // The arena of `device`, created (with its CUDA slab) on first use.
 int ensure_arena_locked(State& s, Device& d) {
   if (d.arena) return 0;
@@ -243,15 +270,7 @@ int ensure_arena_locked(State& s, Device& d) {
     return fail(PYMEM_CUDA_E_STATE,
                 "pymem: pymem_cuda_configure(budget, ...) must be called before the first CUDA "
                 "allocation (device " + std::to_string(d.index) + ")");
-  if (!s.active) {
-    if (s.custom_table) {
-      s.active = &s.table;
-    } else {
-      std::string err;
-      s.active = pymem::load_cuda_runtime(&err);
-      if (!s.active) return fail(PYMEM_CUDA_E_CUDA, err);
-    }
-  }
+  if (int err = ensure_table_locked(s)) return err;
   try {
     auto arena = std::make_shared<Arena>(pymem::make_cuda_backing(s.config.budget, d.index, s.active),
                                          s.config);
@@ -294,6 +313,9 @@ std::string bad_free_message(const Device& d, uintptr_t addr) {
     if (p.addr == addr)
       return "pymem: free of " + format_address(addr) + " on device " + std::to_string(d.index) +
              ": already freed (double free; its first free is still waiting for its streams)";
+  if (!d.arena)
+    return "pymem: free of " + format_address(addr) + " on device " + std::to_string(d.index) +
+           ": not a live block of this device (already freed, or not allocated by pymem)";
   if (d.arena->contains(addr))
     return "pymem: free of " + format_address(addr) + " on device " + std::to_string(d.index) +
            ": not the start of a live block of this device's arena (already freed, or a pointer "
@@ -311,9 +333,9 @@ int free_impl(void* ptr, int device, const uint64_t* owner = nullptr) {
   const uintptr_t addr = reinterpret_cast<uintptr_t>(ptr);
   std::lock_guard<std::mutex> lock(s.mu);
   Device* d = find_device_locked(s, device);
-  if (!d || !d->arena)
+  if (!d || (!d->arena && d->live.empty() && d->pending.empty()))
     return fail(PYMEM_CUDA_E_INVALID, "pymem: free of " + format_address(addr) + " on device " +
-                                          std::to_string(device) + ", which has no pymem arena");
+                                          std::to_string(device) + ", which has no pymem blocks");
   auto it = d->live.find(addr);
   if (owner && (it == d->live.end() || it->second.owner != *owner))
     return fail(PYMEM_CUDA_E_INVALID, "pymem: free of " + format_address(addr) + " on device " +
@@ -334,17 +356,24 @@ int free_impl(void* ptr, int device, const uint64_t* owner = nullptr) {
     if (std::find(users.begin(), users.end(), st) == users.end()) users.push_back(st);
 
   if (d->has_primary && users.size() == 1 && users[0] == d->primary) {
-    d->arena->free(addr);  // ordered behind all earlier work of the primary stream
+    // Ordered behind all earlier work of the primary stream.
+    if (info.provider)
+      info.provider->free(info.provider->ctx, addr, d->index);
+    else
+      d->arena->free(addr);
     return 0;
   }
 
   PendingFree p;
+  p.provider = info.provider;
   p.addr = addr;
   p.size = info.size;
-  // The owner has let go: the block must not be offered as a victim (nor count as pinned) while
-  // it waits.
-  d->arena->set_owner(addr, 0, 0.0);
-  d->arena->set_pinned(addr, false);
+  if (!info.provider) {
+    // The owner has let go: the block must not be offered as a victim (nor count as pinned) while
+    // it waits.
+    d->arena->set_owner(addr, 0, 0.0);
+    d->arena->set_pinned(addr, false);
+  }
   int err = 0;
   for (void* st : users) {
     void* ev = nullptr;
@@ -366,8 +395,9 @@ int free_impl(void* ptr, int device, const uint64_t* owner = nullptr) {
 }
 
 // Runs body(arena, addr, info) on the live block at ptr, under the library lock.
+// Blocks of a provider have no arena here: `arena_only` calls refuse them.
 template <class F>
-int with_live_block(const char* what, void* ptr, int device, F&& body) {
+int with_live_block(const char* what, void* ptr, int device, bool arena_only, F&& body) {
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   Device* d = find_device_locked(s, device);
@@ -376,9 +406,71 @@ int with_live_block(const char* what, void* ptr, int device, F&& body) {
   if (!d || it == d->live.end())
     return fail(PYMEM_CUDA_E_INVALID, std::string("pymem: ") + what + ": " + format_address(addr) +
                                           " is not a live pymem block of device " + std::to_string(device));
+  if (arena_only && it->second.provider)
+    return fail(PYMEM_CUDA_E_STATE, std::string("pymem: ") + what + ": " + format_address(addr) +
+                                        " came from a block provider, which keeps its own owners");
   body(*d->arena, addr, it->second);
   return 0;
 }
+
+// pymem_cuda_alloc's provider path. Not noexcept: the provider's exception is the caller's.
+uintptr_t alloc_from_provider(const pymem_block_provider* provider, size_t nbytes, int device, void* stream) {
+  State& s = state();
+  uintptr_t addr = 0;
+  try {
+    addr = provider->allocate(provider->ctx, nbytes, device);
+  } catch (...) {
+    // Blocks waiting for their streams hold the provider's bytes: give them back and retry once.
+    size_t synced = 0;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      if (Device* d = find_device_locked(s, device)) synced = sync_pending_locked(s, *d);
+    }
+    if (synced == 0) throw;
+    addr = provider->allocate(provider->ctx, nbytes, device);
+  }
+  uintptr_t result = 0;
+  guarded("pymem_cuda_alloc", [&] {
+    if (!addr)
+      return fail(PYMEM_CUDA_E_INTERNAL, "pymem: the block provider of device " + std::to_string(device) +
+                                             " returned no block for " + std::to_string(nbytes) + " bytes");
+    std::lock_guard<std::mutex> lock(s.mu);
+    Device& d = get_device_locked(s, device);
+    BlockInfo info;
+    info.provider = provider;
+    info.size = pymem::align_up(nbytes);
+    info.alloc_stream = stream;
+    if (stream != d.primary) {
+      if (int err = order_after_primary_locked(s, d, stream)) {
+        provider->free(provider->ctx, addr, device);
+        return fail(PYMEM_CUDA_E_CUDA, "pymem: making stream " + format_address(reinterpret_cast<uintptr_t>(stream)) +
+                                           " wait for the primary stream failed with CUDA error " +
+                                           std::to_string(err));
+      }
+    }
+    d.live.emplace(addr, std::move(info));
+    result = addr;
+    return 0;
+  });
+  return result;
+}
+
+uintptr_t passthrough_allocate(void*, size_t nbytes, int device) {
+  const pymem_cuda_table* t = state().active;
+  void* p = nullptr;
+  const int err = t ? t->malloc(&p, nbytes) : -1;
+  if (err != 0 || !p)
+    throw std::runtime_error("pymem (unmanaged, after pymem.disable()): cudaMalloc of " + std::to_string(nbytes) +
+                             " bytes on device " + std::to_string(device) + " failed with CUDA error " +
+                             std::to_string(err));
+  return reinterpret_cast<uintptr_t>(p);
+}
+
+void passthrough_free(void*, uintptr_t addr, int) {
+  if (const pymem_cuda_table* t = state().active) t->free(reinterpret_cast<void*>(addr));
+}
+
+const pymem_block_provider kPassthrough = {&passthrough_allocate, &passthrough_free, nullptr};
 
 }  // namespace
 
@@ -423,12 +515,13 @@ PYMEM_CUDA_API int pymem_cuda_set_table(const pymem_cuda_table* table) {
     }
     State& s = state();
     std::lock_guard<std::mutex> lock(s.mu);
-    if (any_arena_locked(s))
+    bool blocks = false;
+    for (const auto& kv : s.devices) blocks |= !kv.second->live.empty() || !kv.second->pending.empty();
+    if (any_arena_locked(s) || blocks)
       return fail(PYMEM_CUDA_E_STATE,
-                  "pymem: the CUDA table can only be changed while no arena exists (call "
-                  "pymem_cuda_reset first)");
-    s.custom_table = table != nullptr;
-    if (table) s.table = *table;
+                  "pymem: the CUDA table can only be changed while no arena exists and no block is "
+                  "allocated (call pymem_cuda_reset first)");
+    s.custom_table = table ? new pymem_cuda_table(*table) : nullptr;
     s.active = nullptr;  // resolved again with the next arena
     return 0;
   });
@@ -436,6 +529,9 @@ PYMEM_CUDA_API int pymem_cuda_set_table(const pymem_cuda_table* table) {
 
 PYMEM_CUDA_API void* pymem_cuda_alloc(ssize_t size, int device, void* stream) {
   uintptr_t result = 0;
+  const pymem_block_provider* provider = nullptr;
+  // Validation, and the arena path whole; a provider is called below, outside this noexcept guard,
+  // so its exception reaches our caller.
   guarded("pymem_cuda_alloc", [&] {
     if (size == 0) return 0;
     if (size < 0)
@@ -447,12 +543,18 @@ PYMEM_CUDA_API void* pymem_cuda_alloc(ssize_t size, int device, void* stream) {
     {
       std::lock_guard<std::mutex> lock(s.mu);
       Device& d = get_device_locked(s, device);
-      if (int err = ensure_arena_locked(s, d)) return err;
+      if (d.provider) {
+        if (int err = ensure_table_locked(s)) return err;  // events order its frees
+        provider = d.provider;
+      } else if (int err = ensure_arena_locked(s, d)) {
+        return err;
+      }
       if (!d.has_primary) {
         d.has_primary = true;
         d.primary = stream;
       }
       poll_pending_locked(s, d);
+      if (provider) return 0;
       arena = d.arena;
     }
     const size_t nbytes = static_cast<size_t>(size);
@@ -491,6 +593,7 @@ PYMEM_CUDA_API void* pymem_cuda_alloc(ssize_t size, int device, void* stream) {
     result = addr;
     return 0;
   });
+  if (provider) result = alloc_from_provider(provider, static_cast<size_t>(size), device, stream);
   return reinterpret_cast<void*>(result);
 }
 
@@ -509,7 +612,7 @@ PYMEM_CUDA_API int pymem_cuda_free_owned(void* ptr, int device, uint64_t owner) 
 
 PYMEM_CUDA_API int pymem_cuda_record_stream(void* ptr, int device, void* stream) {
   return guarded("pymem_cuda_record_stream", [&] {
-    return with_live_block("record_stream", ptr, device, [&](Arena&, uintptr_t, BlockInfo& b) {
+    return with_live_block("record_stream", ptr, device, false, [&](Arena&, uintptr_t, BlockInfo& b) {
       if (stream != b.alloc_stream &&
           std::find(b.other_streams.begin(), b.other_streams.end(), stream) == b.other_streams.end())
         b.other_streams.push_back(stream);
@@ -550,7 +653,7 @@ PYMEM_CUDA_API void pymem_cuda_set_pressure_handler(pymem_pressure_fn fn, void* 
 
 PYMEM_CUDA_API int pymem_cuda_set_owner(void* ptr, int device, uint64_t owner, double cost) {
   return guarded("pymem_cuda_set_owner", [&] {
-    return with_live_block("set_owner", ptr, device,
+    return with_live_block("set_owner", ptr, device, true,
                            [&](Arena& a, uintptr_t addr, BlockInfo& b) {
                              a.set_owner(addr, owner, cost);  // throws before any change on a bad cost
                              b.owner = owner;
@@ -560,9 +663,43 @@ PYMEM_CUDA_API int pymem_cuda_set_owner(void* ptr, int device, uint64_t owner, d
 
 PYMEM_CUDA_API int pymem_cuda_set_pinned(void* ptr, int device, int pinned) {
   return guarded("pymem_cuda_set_pinned", [&] {
-    return with_live_block("set_pinned", ptr, device,
+    return with_live_block("set_pinned", ptr, device, true,
                            [&](Arena& a, uintptr_t addr, BlockInfo&) { a.set_pinned(addr, pinned != 0); });
   });
+}
+
+PYMEM_CUDA_API int pymem_cuda_set_provider(int device, const pymem_block_provider* provider) {
+  return guarded("pymem_cuda_set_provider", [&] {
+    if (device < 0)
+      return fail(PYMEM_CUDA_E_INVALID, "pymem: device must be >= 0, got " + std::to_string(device));
+    if (provider && (!provider->allocate || !provider->free))
+      return fail(PYMEM_CUDA_E_INVALID, "pymem: a block provider needs both allocate and free");
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mu);
+    Device& d = get_device_locked(s, device);
+    if (!d.pending.empty()) sync_pending_locked(s, d);
+    if (!provider) {
+      d.provider = nullptr;
+      return 0;
+    }
+    s.providers.push_back(std::make_unique<pymem_block_provider>(*provider));
+    d.provider = s.providers.back().get();
+    return 0;
+  });
+}
+
+PYMEM_CUDA_API const pymem_block_provider* pymem_cuda_passthrough_provider(void) { return &kPassthrough; }
+
+PYMEM_CUDA_API const pymem_cuda_table* pymem_cuda_runtime_table(void) {
+  const pymem_cuda_table* t = nullptr;
+  guarded("pymem_cuda_runtime_table", [&] {
+    State& s = state();
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (int err = ensure_table_locked(s)) return err;
+    t = s.active;
+    return 0;
+  });
+  return t;
 }
 
 PYMEM_CUDA_API int pymem_cuda_get_stats(int device, pymem_cuda_stats* out) {

@@ -12,7 +12,15 @@
  * Errors: every int-returning function returns PYMEM_CUDA_OK (0) or one of the PYMEM_CUDA_E_*
  * codes; pymem_cuda_alloc returns NULL. The message and code of this thread's most recent failure
  * are kept (thread-local) until the next failure: pymem_cuda_last_error / _last_error_code.
- * Nothing throws across this boundary and no bad input crashes the process.
+ * Nothing of this library's throws across this boundary and no bad input crashes the process; the
+ * one exception is a block provider's (below), which pymem_cuda_alloc lets through on purpose.
+ *
+ * Block providers. By default a device's blocks come from the library's own arena (configured with
+ * pymem_cuda_configure). pymem's runtime instead sets a provider per device: its own arena
+ * (pymem._C, where the pressure handler can run the eviction policy and a refusal can become a
+ * Python pymem.OutOfBudgetError), or the pass-through provider (plain cudaMalloc / cudaFree: what
+ * the process keeps after pymem.disable(), because PyTorch cannot swap its allocator back). The
+ * library still orders every block's free by stream.
  *
  * Stream order. The primary stream of a device is the stream of its first allocation (or the one
  * set with pymem_cuda_set_primary_stream). A block allocated on the primary stream and never
@@ -44,8 +52,8 @@ extern "C" {
 #endif
 
 /* Bumped whenever a declaration below changes; the ctypes wrapper refuses a library it does not
- * know. */
-#define PYMEM_CUDA_ABI_VERSION 1
+ * know. 2: block providers. */
+#define PYMEM_CUDA_ABI_VERSION 2
 
 enum {
   PYMEM_CUDA_OK = 0,
@@ -131,6 +139,31 @@ PYMEM_CUDA_API int pymem_cuda_set_owner(void* ptr, int device, uint64_t owner, d
 PYMEM_CUDA_API int pymem_cuda_set_pinned(void* ptr, int device, int pinned);
 
 PYMEM_CUDA_API int pymem_cuda_get_stats(int device, pymem_cuda_stats* out);
+
+/* A source of blocks owned by someone else. allocate returns the address of a block of at least
+ * nbytes (> 0) bytes on `device`, and reports failure by throwing a C++ exception:
+ * pymem_cuda_alloc lets it reach its caller (PyTorch's CUDAPluggableAllocator, whose op wrappers
+ * turn it into a Python exception), after one retry once this library's pending frees are
+ * synchronised. So with a provider set, call pymem_cuda_alloc from C++, never through ctypes.
+ * allocate runs without the library's lock (it may free blocks through this library); free runs
+ * under it, must not throw and must not call back into this library. */
+typedef struct pymem_block_provider {
+  uintptr_t (*allocate)(void* ctx, size_t nbytes, int device);
+  void (*free)(void* ctx, uintptr_t addr, int device);
+  void* ctx;
+} pymem_block_provider;
+
+/* Serve `device` from `provider` (copied; NULL: back to the library's own arena). Blocks keep the
+ * provider that made them: their frees go back to it, whatever is set later. Pending frees of the
+ * device are synchronised first, so the old source gets its blocks back. */
+PYMEM_CUDA_API int pymem_cuda_set_provider(int device, const pymem_block_provider* provider);
+/* The built-in provider that passes every request to cudaMalloc / cudaFree (of the table in use);
+ * it throws std::runtime_error, naming the size and the CUDA error, when cudaMalloc fails. */
+PYMEM_CUDA_API const pymem_block_provider* pymem_cuda_passthrough_provider(void);
+/* The CUDA runtime table the library uses: the one given to pymem_cuda_set_table, or libcudart
+ * loaded now. Valid for the life of the process (a later pymem_cuda_set_table does not change
+ * it). NULL, with an error, when no libcudart can be loaded. */
+PYMEM_CUDA_API const pymem_cuda_table* pymem_cuda_runtime_table(void);
 
 /* Drop every arena, pending list and event (tests). Fails if a block is still allocated; pending
  * frees are synchronised first. Configuration, table and pressure handler are kept. */

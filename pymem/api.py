@@ -9,6 +9,7 @@ from . import snapshot
 from .budget import parse_budget
 from .cost_model import CostModel
 from .runtime import Runtime
+from .runtime.hooks import cuda_allocator_is_pymem
 from .runtime.runtime import ALLOCATORS, COSTS
 
 log = logging.getLogger("pymem")
@@ -39,16 +40,19 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     policy: one of ``pymem.policies.policy_names()`` (``dtr``, ``dtr-chain``, ``dtr-local``, ``lru``,
     ``size``, ``msps``, ``coop``).
     device: ``None`` (CUDA when available, else CPU), ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
-    allocator: ``None`` picks ``"arena"`` on the CPU and ``"native"`` on CUDA (the arena's CUDA library
-    is not wired to the runtime yet, so CUDA accepts only ``"native"`` for now).
-    ``"arena"`` — pymem's arena of exactly ``budget`` bytes replaces PyTorch's
-    allocator: the budget holds for every allocation, eviction happens before an allocation that
-    does not fit, and blocks are placed and compacted against fragmentation. On CUDA it must be
-    installed before CUDA initialises. ``"native"`` — PyTorch's own allocator stays (on CUDA: the
-    caching allocator, so cudagraphs and CUDA IPC keep working), capped at the budget; a request
-    over the cap fails, and pymem releases values and runs the op again. It gives up compaction and
-    placement, and an allocation outside an op pymem sees (a C++ extension's own buffer) fails
-    instead of making room.
+    allocator: ``"arena"`` (the default) or ``"native"``.
+    ``"arena"`` — pymem's arena of exactly ``budget`` bytes replaces PyTorch's allocator: the budget
+    holds for every allocation, eviction happens before an allocation that does not fit, and blocks
+    are placed against fragmentation (and compacted, on the CPU). On CUDA the arena is one
+    cudaMalloc slab served through ``libpymem_cuda.so`` (``CUDAPluggableAllocator``), which PyTorch
+    accepts only before CUDA initialises, and keeps for the rest of the process: after ``disable()``
+    CUDA requests go straight to cudaMalloc / cudaFree, without the caching allocator's reuse. It
+    gives up cudagraphs, CUDA IPC and ``torch.cuda.memory_stats`` (use ``pymem.memory_stats``).
+    ``"native"`` — PyTorch's own allocator stays (on CUDA: the caching allocator, so cudagraphs and
+    CUDA IPC keep working), capped at the budget; a request over the cap fails, and pymem releases
+    values and runs the op again. It gives up placement and compaction (on CUDA the cap holds for
+    reserved memory, so the cache's fragmentation counts against the budget), and an allocation
+    outside an op pymem sees (a C++ extension's own buffer) fails instead of making room.
     sampling: score about sqrt(N) randomly drawn candidates instead of all N at each eviction (DTR's
     candidate sampling: cheaper decisions, worse ones at tight budgets). Off by default.
 
@@ -63,7 +67,7 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     global _current, _settings
     device = _resolve_device(device)
     if allocator is None:
-        allocator = "native" if device.startswith("cuda") else "arena"
+        allocator = "arena"
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator {allocator!r} is not accepted; accepted: "
                          f"{', '.join(map(repr, ALLOCATORS))}")
@@ -90,10 +94,21 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     return rt
 
 
-def check_cuda_order(device: str, allocator: str, cuda_initialized=None) -> None:
+def check_cuda_order(device: str, allocator: str, cuda_initialized=None, swapped=None) -> None:
     """The arena replaces PyTorch's CUDA allocator, which PyTorch allows only before CUDA
-    initialises: after that, a clear error instead of a half-installed allocator."""
-    if allocator != "arena" or not device.startswith("cuda"):
+    initialises, and only once: a clear error instead of a half-installed allocator, or a native
+    cap on an allocator that ignores it."""
+    if not device.startswith("cuda"):
+        return
+    swapped = cuda_allocator_is_pymem() if swapped is None else swapped
+    if allocator == "native":
+        if swapped:
+            raise RuntimeError(
+                "allocator='native' caps PyTorch's CUDA caching allocator, but an earlier "
+                "pymem.enable(allocator='arena') in this process replaced it with pymem's library, and "
+                "PyTorch cannot swap it back; use allocator='arena', or a new process")
+        return
+    if swapped:  # the library is PyTorch's allocator already: a new arena plugs into it
         return
     initialized = torch.cuda.is_initialized() if cuda_initialized is None else cuda_initialized
     if initialized:

@@ -18,7 +18,7 @@ __all__ = ["library_path", "load", "pluggable_allocator", "CudaLib", "CudaTable"
            "CUDA_ERROR_NOT_READY"]
 
 LIB_NAME = "libpymem_cuda.so"
-ABI_VERSION = 1  # PYMEM_CUDA_ABI_VERSION
+ABI_VERSION = 2  # PYMEM_CUDA_ABI_VERSION
 CUDA_ERROR_NOT_READY = 600  # PYMEM_CUDA_ERROR_NOT_READY (cudaErrorNotReady)
 
 # Error codes (PYMEM_CUDA_E_*).
@@ -156,6 +156,9 @@ class CudaLib:
             "pymem_cuda_set_pinned": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_int]),
             "pymem_cuda_get_stats": (ctypes.c_int, [ctypes.c_int, ctypes.POINTER(CudaStats)]),
             "pymem_cuda_reset": (ctypes.c_int, []),
+            "pymem_cuda_set_provider": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
+            "pymem_cuda_passthrough_provider": (ctypes.c_void_p, []),
+            "pymem_cuda_runtime_table": (ctypes.c_void_p, []),
             "pymem_cuda_last_error": (ctypes.c_char_p, []),
             "pymem_cuda_last_error_code": (ctypes.c_int, []),
         }
@@ -212,6 +215,34 @@ class CudaLib:
         rc = self._lib.pymem_cuda_set_table(ctypes.byref(table) if table is not None else None)
         self._check(rc)
         self._table = table  # its callbacks must stay alive while arenas use them
+
+    def set_provider(self, device, provider):
+        """Serve ``device`` from a block provider (the address of a pymem_block_provider, e.g.
+        ``pymem._C.arena_block_provider(arena)`` or ``passthrough_provider()``); None: from the
+        library's own arena again. Blocks go back to the provider that made them.
+
+        A provider reports failure by throwing through ``pymem_cuda_alloc``: with one set, leave
+        allocation to C++ callers (PyTorch, the pluggable CPU hook) and do not call ``alloc``.
+        """
+        self._check(self._lib.pymem_cuda_set_provider(device, _ptr(provider)))
+
+    def passthrough_provider(self):
+        """Address of the built-in provider: plain cudaMalloc / cudaFree of the table in use."""
+        return self._lib.pymem_cuda_passthrough_provider()
+
+    def runtime_table(self):
+        """Address of the CUDA runtime table the library uses (the one set, or libcudart loaded
+        now); valid for the life of the process. For ``pymem._C.Arena(backing="cuda")``."""
+        t = self._lib.pymem_cuda_runtime_table()
+        if not t:
+            self._check(self.last_error_code() or E_CUDA)
+        return t
+
+    def entry_points(self):
+        """Addresses of pymem_cuda_alloc and pymem_cuda_free (CUDAPluggableAllocator's signatures)."""
+        cast = ctypes.cast
+        return (cast(self._lib.pymem_cuda_alloc, ctypes.c_void_p).value,
+                cast(self._lib.pymem_cuda_free, ctypes.c_void_p).value)
 
     def set_primary_stream(self, device, stream):
         self._check(self._lib.pymem_cuda_set_primary_stream(device, _ptr(stream)))
@@ -305,9 +336,10 @@ def pluggable_allocator():
     """``torch.cuda.memory.CUDAPluggableAllocator`` over libpymem_cuda.so.
 
     Install it with ``torch.cuda.memory.change_current_allocator`` before CUDA is initialised, and
-    call ``load().configure(budget)`` before the first allocation. Note that PyTorch does not check
-    the pointer a pluggable allocator returns: a request beyond the budget gives NULL, with the
-    reason in ``load().last_error()``.
+    call ``load().configure(budget)`` (or ``set_provider``) before the first allocation. Note that
+    PyTorch does not check the pointer a pluggable allocator returns: with the library's own arena,
+    a request beyond the budget gives NULL, with the reason in ``load().last_error()``; pymem's
+    runtime sets its arena as the provider instead, whose refusals raise ``pymem.OutOfBudgetError``.
     """
     path = _require_path(None)
     import torch  # only here: the rest of this module works without torch

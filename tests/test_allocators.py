@@ -108,6 +108,12 @@ def test_enabling_the_arena_after_cuda_initialised_is_a_clear_error(monkeypatch)
     check_cuda_order("cuda", "arena", cuda_initialized=False)
     check_cuda_order("cuda:1", "native", cuda_initialized=True)  # the caching allocator stays
     check_cuda_order("cpu", "arena", cuda_initialized=True)      # the CPU hook has no such order
+    # Once pymem's library is PyTorch's allocator (an earlier enable), a new arena plugs into it;
+    # a native cap would cap nothing.
+    check_cuda_order("cuda", "arena", cuda_initialized=True, swapped=True)
+    with pytest.raises(RuntimeError, match="allocator='native' caps PyTorch's CUDA caching allocator, but an "
+                                           "earlier pymem.enable\\(allocator='arena'\\)"):
+        check_cuda_order("cuda", "native", cuda_initialized=True, swapped=True)
     # Through enable(): the check comes first, before any allocator is touched.
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="came after CUDA was initialised"):

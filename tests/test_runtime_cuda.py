@@ -1,6 +1,13 @@
-"""The runtime on a GPU (allocator="native": the caching allocator capped at the budget; op costs
-estimated, never host-timed). Skipped cleanly without CUDA; the CPU-testable logic of the cap is in
-test_allocators.py."""
+"""The runtime on a GPU: allocator="native" (the caching allocator capped at the budget) in this
+process, and allocator="arena" (libpymem_cuda.so serving the runtime's arena) in a fresh one, since
+it must replace PyTorch's CUDA allocator before CUDA initialises. Op costs are estimated, never
+host-timed. Skipped cleanly without CUDA; the CPU-testable logic is in test_allocators.py and
+test_runtime_cudalib.py."""
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 
@@ -47,8 +54,8 @@ def test_native_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic):
     peak = torch.cuda.max_memory_reserved() - base
     torch.cuda.empty_cache()
     budget = base + peak // 2
-    rt = pymem.enable(budget, device="cuda")
-    assert rt.allocator == "native" and rt.cost_model is not None  # the CUDA defaults
+    rt = pymem.enable(budget, device="cuda", allocator="native")
+    assert rt.cost_model is not None  # the CUDA default: estimates
     losses, params = train()
     stats = pymem.memory_stats()
     pymem.disable()
@@ -56,3 +63,39 @@ def test_native_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic):
     assert all(torch.equal(a, b) for a, b in zip(ref_params, params))
     assert stats["reserved_bytes.peak"] <= budget
     assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
+
+
+ARENA_RUN = textwrap.dedent("""
+    import sys, torch, pymem
+    budget, out = int(sys.argv[1]), sys.argv[2]
+    rt = pymem.enable(budget, device="cuda")  # first: before CUDA initialises
+    assert rt.allocator == "arena" and rt.arena.backing == "cuda"
+    from test_runtime_cuda import train
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    losses, params = train()
+    stats = dict(pymem.memory_stats())
+    pymem.disable()
+    after = torch.ones(1000, device="cuda").sum().item()  # pass-through cudaMalloc after disable
+    torch.save({"losses": losses, "params": [p.cpu() for p in params], "stats": stats, "after": after}, out)
+""")
+
+
+def test_arena_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic, tmp_path):
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    ref_losses, ref_params = train()
+    budget = (torch.cuda.max_memory_allocated() - base) // 2 // 512 * 512
+    out = str(tmp_path / "arena.pt")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", ARENA_RUN, str(budget), out], env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = torch.load(out)
+    assert got["losses"] == ref_losses
+    assert all(torch.equal(a.cpu(), b) for a, b in zip(ref_params, got["params"]))
+    stats = got["stats"]
+    assert stats["allocated_bytes.peak"] <= stats["budget_bytes"] == budget, stats
+    assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
+    assert got["after"] == 1000.0

@@ -161,6 +161,8 @@ def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
 
 def compact_for(rt, request: int) -> bool:
     """Release and move so that ``request`` fits in one block; False when no segment can hold it."""
+    if not rt.can_compact:
+        return False
     movable = movable_blocks(rt)
     chosen = plan(rt, request, movable)
     if chosen is None:
@@ -214,6 +216,8 @@ def defragment_after_failure(rt) -> bool:
     """The innermost running kernel (``rt.running[-1]``) ran out of budget and exited, leaving no
     trace: with its inputs movable too, slide every block that may move up against the next one that
     may not. True when something moved (then running it again may fit)."""
+    if not rt.can_compact:
+        return False
     entry = rt.running.pop() if rt.running else None
     try:
         movable = movable_blocks(rt)

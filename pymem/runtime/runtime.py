@@ -15,6 +15,7 @@ from .. import snapshot as _snap
 from ..errors import OutOfBudgetError
 from ..policies import EvictedNeighbourhood, Policy, get_policy
 from . import compaction, remat
+from .hooks import CpuHook, CudaLibHook
 from .native import cap_for
 from .ops import mutated_tensors, op_info
 from .pressure import PressureHandler
@@ -83,8 +84,9 @@ def _template(values, counter: List[int]) -> list:
 
 
 def _check_device(device: str, allocator: str) -> torch.device:
-    """The runtime's device: the CPU, or one CUDA device with allocator="native" (the arena's CUDA
-    runtime, libpymem_cuda.so under the runtime's pressure handler, is not wired yet)."""
+    """The runtime's device: the CPU, or one CUDA device. Under allocator="native", "cuda" is fixed
+    to the current device here; under the arena that waits until the arena's hook has replaced
+    PyTorch's CUDA allocator, which must come before anything initialises CUDA."""
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
@@ -95,11 +97,7 @@ def _check_device(device: str, allocator: str) -> torch.device:
         if not torch.cuda.is_available():
             raise ValueError(f"device {device!r}: CUDA is not available here (no GPU visible, or a "
                              f"CPU-only torch build); use device='cpu'")
-        if allocator != "native":
-            raise ValueError(f"device {device!r} with allocator {allocator!r}: on CUDA the runtime runs "
-                             f"with allocator='native' for now (PyTorch's caching allocator capped at the "
-                             f"budget); the arena on CUDA is not wired to the runtime yet")
-        if dev.index is None:  # "cuda" means the current device: fix it now, once
+        if allocator == "native" and dev.index is None:  # the current device: fix it now, once
             dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
@@ -117,11 +115,23 @@ class Runtime:
     """State of one ``pymem.enable``: arena, records, policy, statistics."""
 
     def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
-                 sampling: bool = False, cost=None) -> None:
+                 sampling: bool = False, cost=None, hook=None) -> None:
+        """``hook``: how the arena becomes PyTorch's allocator (``hooks.py``); by default the CPU
+        hook on the CPU and libpymem_cuda.so on CUDA."""
         if allocator not in ALLOCATORS:
             raise ValueError(f"allocator {allocator!r} is not one of {', '.join(map(repr, ALLOCATORS))}")
         self.device = _check_device(device, allocator)
         device = self.device.type
+        if allocator == "arena":
+            self.hook = hook if hook is not None else \
+                CpuHook() if device == "cpu" else CudaLibHook(self.device.index)
+            self.hook.prepare()  # first: on CUDA, before anything below initialises it
+            if device == "cuda" and self.device.index is None:
+                self.device = torch.device("cuda", self.hook.index)
+        elif hook is not None:
+            raise ValueError("hook applies to allocator='arena' only")
+        if device == "cuda":
+            torch.cuda.init()  # its generators and the calibration need it
         # An op's cost: its measured wall time (CPU ops are synchronous), or a calibrated FLOP/byte
         # estimate (what CUDA needs: a host timer sees only the launch). Calibrated before the
         # allocator is installed, so its buffers stay out of the budget.
@@ -139,13 +149,14 @@ class Runtime:
         self.allocator = allocator
         self.pressure = PressureHandler(self, sampling)
         if allocator == "arena":
-            # The handler decides what to release (it refreshes block owners before any window search).
-            self.arena = _C.Arena(budget, backing="host", search="handler")
+            self.arena = self.hook.make_arena(budget)
+            self.can_compact = self.arena.backing != "cuda"  # a CUDA slab's blocks do not move (yet)
             self.lo, self.hi = self.arena.base, self.arena.base + budget
             self.main_hi = self.hi - self.arena.small_region_size  # [lo, main_hi): blocks that compact
             self._small = self.arena.small_threshold
         else:  # PyTorch's allocator, capped: a refused request is retried after releasing values
             self.arena = None
+            self.can_compact = False
             self.native = cap_for(self.device, budget)
             self.lo = self.hi = self.main_hi = self._small = 0
         # Inputs (records, or leaf tensors) of the kernels running now, innermost last: a kernel may
@@ -180,7 +191,7 @@ class Runtime:
     def start(self) -> None:
         if self.arena is not None:
             _snap.attach(self.arena)
-            _C.install_cpu_hook(self.arena)
+            self.hook.install(self.arena)
         else:
             self.native.install()
         self.mode = _Mode(self)
@@ -192,7 +203,7 @@ class Runtime:
             self.mode.__exit__(None, None, None)
             self.mode = None
         if self.arena is not None:
-            _C.uninstall_cpu_hook()
+            self.hook.uninstall()
             self.arena.set_pressure_handler(None)
         else:
             self.native.uninstall()

@@ -1,0 +1,112 @@
+// hook_pluggable.cpp — see hook_pluggable.h.
+#include "hook_pluggable.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdio>
+#include <mutex>
+#include <sys/types.h>
+#include <vector>
+
+#include "cuda_lib.h"
+#include "hook_budget.h"
+#include "hook_cpu.h"
+
+namespace pymem {
+
+namespace {
+
+// ---- the arena as a block provider -----------------------------------------------------------
+
+uintptr_t provider_allocate(void* ctx, size_t nbytes, int) {
+  try {
+    return static_cast<Arena*>(ctx)->allocate(nbytes);
+  } catch (const OutOfBudget& e) {
+    raise_out_of_budget_in_allocator(e);  // pymem.OutOfBudgetError, through the library to PyTorch
+  }
+}
+
+// A deleter's free: it cannot throw, so a bad address is reported and counted, not raised.
+std::atomic<uint64_t> g_bad_frees{0};
+
+void provider_free(void* ctx, uintptr_t addr, int) {
+  if (!static_cast<Arena*>(ctx)->try_free(addr)) {
+    g_bad_frees.fetch_add(1);
+    std::fprintf(stderr, "pymem: the CUDA library freed %p, which its arena did not allocate; ignored\n",
+                 reinterpret_cast<void*>(addr));
+  }
+}
+
+std::mutex g_providers_mutex;
+std::vector<std::shared_ptr<Arena>> g_provider_arenas;            // never released (see header)
+std::vector<std::unique_ptr<pymem_block_provider>> g_providers;
+
+// ---- the pluggable CPU allocator ---------------------------------------------------------------
+
+using AllocFn = void* (*)(ssize_t, int, void*);
+using FreeFn = void (*)(void*, ssize_t, int, void*);
+
+std::atomic<AllocFn> g_alloc{nullptr};
+// The last free function installed: tensors outlive the install, and all go back through it.
+std::atomic<FreeFn> g_free{nullptr};
+std::mutex g_install_mutex;
+c10::Allocator* g_previous = nullptr;
+constexpr uint8_t kHookPriority = 200;  // as hook_cpu.cpp
+
+void pluggable_delete(void* ptr) {
+  if (ptr) g_free.load(std::memory_order_acquire)(ptr, 0, 0, nullptr);
+}
+
+class PluggableCPUAllocator final : public c10::Allocator {
+ public:
+  c10::DataPtr allocate(size_t nbytes) override {
+    const c10::Device cpu(c10::DeviceType::CPU);
+    if (nbytes == 0) return {nullptr, nullptr, &pluggable_delete, cpu};
+    AllocFn alloc = g_alloc.load(std::memory_order_acquire);
+    TORCH_CHECK(alloc, "pymem: the pluggable CPU hook is installed without an alloc function");
+    void* p = alloc(static_cast<ssize_t>(nbytes), 0, nullptr);  // may throw (a provider's refusal)
+    TORCH_CHECK_WITH(OutOfMemoryError, p, "pymem: the pluggable allocator returned no memory for ", nbytes,
+                     " bytes");
+    return {p, p, &pluggable_delete, cpu};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &pluggable_delete; }
+  void copy_data(void* dest, const void* src, size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
+};
+
+PluggableCPUAllocator g_allocator;
+
+}  // namespace
+
+uintptr_t arena_block_provider(std::shared_ptr<Arena> arena) {
+  if (!arena) throw InvalidArgument("arena_block_provider needs an arena");
+  std::lock_guard<std::mutex> lock(g_providers_mutex);
+  g_provider_arenas.push_back(arena);
+  g_providers.push_back(std::make_unique<pymem_block_provider>(
+      pymem_block_provider{&provider_allocate, &provider_free, arena.get()}));
+  return reinterpret_cast<uintptr_t>(g_providers.back().get());
+}
+
+void install_pluggable_cpu_hook(uintptr_t alloc_fn, uintptr_t free_fn) {
+  if (!alloc_fn || !free_fn) throw InvalidArgument("install_pluggable_cpu_hook needs alloc and free functions");
+  if (cpu_hook_arena() || budget_hook_installed())
+    throw InvalidArgument("pymem: another pymem CPU allocator is installed; uninstall it first");
+  std::lock_guard<std::mutex> lock(g_install_mutex);
+  g_free.store(reinterpret_cast<FreeFn>(free_fn), std::memory_order_release);
+  g_alloc.store(reinterpret_cast<AllocFn>(alloc_fn), std::memory_order_release);
+  if (c10::GetCPUAllocator() != &g_allocator) {
+    g_previous = c10::GetCPUAllocator();
+    c10::SetCPUAllocator(&g_allocator, kHookPriority);
+  }
+}
+
+void uninstall_pluggable_cpu_hook() {
+  std::lock_guard<std::mutex> lock(g_install_mutex);
+  if (c10::GetCPUAllocator() == &g_allocator && g_previous) c10::SetCPUAllocator(g_previous, kHookPriority);
+  g_alloc.store(nullptr, std::memory_order_release);
+}
+
+}  // namespace pymem

@@ -1,0 +1,94 @@
+"""How the runtime's arena becomes PyTorch's allocator (allocator="arena").
+
+  CpuHook      ``csrc/hook_cpu``: the arena as PyTorch's CPU allocator (c10::SetCPUAllocator).
+  CudaLibHook  ``libpymem_cuda.so`` as PyTorch's CUDA allocator (CUDAPluggableAllocator), taking
+               its blocks from the arena (a block provider, ``csrc/hook_pluggable``): the arena's
+               pressure handler runs the policy before a CUDA allocation goes through, and a
+               refusal raises pymem.OutOfBudgetError from the op. PyTorch allows the swap only
+               before CUDA initialises, and never back: it is done once per process, and after
+               ``disable()`` the library passes requests straight to cudaMalloc / cudaFree. The
+               arena is one cudaMalloc slab whose blocks do not move, so it never compacts.
+               ``route="cpu"`` sends CPU tensors down the same path (the pluggable CPU hook) with
+               the library on a fake CUDA table over host memory: the route's tests without a GPU.
+"""
+from typing import Optional
+
+import torch
+
+from .. import _C
+from .. import cuda_lib
+
+# The CUDA library serving PyTorch's CUDA allocations in this process (swapped in at most once).
+_cuda_allocator_lib: Optional[cuda_lib.CudaLib] = None
+
+
+def cuda_allocator_is_pymem() -> bool:
+    """True once pymem's library is PyTorch's CUDA allocator in this process."""
+    return _cuda_allocator_lib is not None
+
+
+def _swap_cuda_allocator(lib: cuda_lib.CudaLib, cuda=torch.cuda) -> None:
+    global _cuda_allocator_lib
+    if _cuda_allocator_lib is not None:
+        return
+    if cuda.is_initialized():
+        raise RuntimeError(
+            "pymem: CUDA is already initialised in this process, and PyTorch's CUDA allocator can only "
+            "be replaced before that. Call pymem.enable() at the top of the script, before any CUDA "
+            "work, or set PYMEM_BUDGET so pymem starts with the interpreter; or pass "
+            "allocator='native' to keep PyTorch's caching allocator, capped at the budget.")
+    cuda.memory.change_current_allocator(cuda_lib.pluggable_allocator())
+    _cuda_allocator_lib = lib
+
+
+class CpuHook:
+    """The arena as PyTorch's CPU allocator."""
+
+    def prepare(self) -> None:
+        pass
+
+    def make_arena(self, budget: int):
+        # The handler decides what to release (it refreshes block owners before any window search).
+        return _C.Arena(budget, backing="host", search="handler")
+
+    def install(self, arena) -> None:
+        _C.install_cpu_hook(arena)
+
+    def uninstall(self) -> None:
+        _C.uninstall_cpu_hook()
+
+
+class CudaLibHook:
+    """The arena behind libpymem_cuda.so on device ``index`` (see the module docstring)."""
+
+    def __init__(self, index: Optional[int], lib: Optional[cuda_lib.CudaLib] = None,
+                 route: str = "cuda") -> None:
+        """``index`` None: the current CUDA device, read once the allocator is swapped."""
+        if route not in ("cuda", "cpu"):
+            raise ValueError(f"route {route!r} is not one of 'cuda', 'cpu'")
+        self.index = index
+        self.lib = lib if lib is not None else cuda_lib.load()
+        self.route = route
+
+    def prepare(self) -> None:
+        """Before anything touches CUDA: PyTorch's allocator becomes the library, passing requests
+        through until ``install`` (so calibration's buffers stay out of the budget)."""
+        if self.route == "cuda":
+            _swap_cuda_allocator(self.lib)
+            if self.index is None:
+                self.index = torch.cuda.current_device()
+        self.lib.set_provider(self.index, self.lib.passthrough_provider())
+
+    def make_arena(self, budget: int):
+        return _C.Arena(budget, backing="cuda", device=self.index, cuda_table=self.lib.runtime_table(),
+                        search="handler")
+
+    def install(self, arena) -> None:
+        self.lib.set_provider(self.index, _C.arena_block_provider(arena))
+        if self.route == "cpu":
+            _C.install_pluggable_cpu_hook(*self.lib.entry_points())
+
+    def uninstall(self) -> None:
+        if self.route == "cpu":
+            _C.uninstall_pluggable_cpu_hook()
+        self.lib.set_provider(self.index, self.lib.passthrough_provider())

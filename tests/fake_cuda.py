@@ -1,0 +1,128 @@
+"""A fake CUDA runtime for libpymem_cuda.so: pymem_cuda_table over Python callbacks (malloc hands
+out ctypes buffers in host memory; events are integers whose completion the test controls; streams
+are plain integers), so the library's logic runs, exactly, without a GPU."""
+import ctypes
+
+from pymem import cuda_lib
+
+NOT_READY = cuda_lib.CUDA_ERROR_NOT_READY
+
+
+def align(n):
+    return (n + 511) // 512 * 512
+
+
+class FakeCuda:
+    """pymem_cuda_table over Python: records every call, and lets the test decide when events
+    complete (event_query answers NOT_READY until ``complete`` or an event_synchronize)."""
+
+    def __init__(self):
+        self.buffers = {}   # slab address -> ctypes buffer (kept alive)
+        self.mallocs = []   # sizes asked of cudaMalloc
+        self.frees = []     # addresses given to cudaFree
+        self.current_device = 0
+        self.device_log = []
+        self.events = {}    # handle -> {"done", "stream", "destroyed"}
+        self.created = 0
+        self.log = []       # ("record", ev, stream) ("wait", stream, ev) ("sync", ev) ("destroy", ev)
+        self.fail_malloc = 0
+        self.fail_event_record = 0
+        self._next_event = 0xE000
+        t = cuda_lib.CudaTable()
+        self._callbacks = dict(
+            malloc=cuda_lib.MALLOC_FN(self._malloc),
+            free=cuda_lib.FREE_FN(self._free),
+            get_device=cuda_lib.GET_DEVICE_FN(self._get_device),
+            set_device=cuda_lib.SET_DEVICE_FN(self._set_device),
+            event_create=cuda_lib.EVENT_CREATE_FN(self._event_create),
+            event_destroy=cuda_lib.EVENT_DESTROY_FN(self._event_destroy),
+            event_record=cuda_lib.EVENT_RECORD_FN(self._event_record),
+            event_query=cuda_lib.EVENT_QUERY_FN(self._event_query),
+            event_synchronize=cuda_lib.EVENT_SYNCHRONIZE_FN(self._event_synchronize),
+            stream_wait_event=cuda_lib.STREAM_WAIT_EVENT_FN(self._stream_wait_event),
+        )
+        for name, cb in self._callbacks.items():
+            setattr(t, name, cb)
+        self.table = t
+
+    # table entries
+    def _malloc(self, pptr, size):
+        if self.fail_malloc:
+            return self.fail_malloc
+        buf = ctypes.create_string_buffer(size + 512)
+        addr = align(ctypes.addressof(buf))
+        self.buffers[addr] = buf
+        self.mallocs.append(size)
+        pptr[0] = addr
+        return 0
+
+    def _free(self, ptr):
+        self.frees.append(ptr)
+        self.buffers.pop(ptr, None)
+        return 0
+
+    def _get_device(self, pdev):
+        pdev[0] = self.current_device
+        return 0
+
+    def _set_device(self, dev):
+        self.device_log.append(dev)
+        self.current_device = dev
+        return 0
+
+    def _event_create(self, pev, flags):
+        self._next_event += 16
+        ev = self._next_event
+        self.events[ev] = {"done": True, "stream": None, "destroyed": False, "flags": flags,
+                           "device": self.current_device}
+        self.created += 1
+        pev[0] = ev
+        return 0
+
+    def _event_destroy(self, ev):
+        self.events[ev]["destroyed"] = True
+        self.log.append(("destroy", ev))
+        return 0
+
+    def _event_record(self, ev, stream):
+        if self.fail_event_record:
+            return self.fail_event_record
+        e = self.events[ev]
+        assert not e["destroyed"]
+        e["done"] = False
+        e["stream"] = stream or 0
+        self.log.append(("record", ev, stream or 0))
+        return 0
+
+    def _event_query(self, ev):
+        return 0 if self.events[ev]["done"] else NOT_READY
+
+    def _event_synchronize(self, ev):
+        self.events[ev]["done"] = True
+        self.log.append(("sync", ev))
+        return 0
+
+    def _stream_wait_event(self, stream, ev, flags):
+        self.log.append(("wait", stream or 0, ev))
+        return 0
+
+    # test controls
+    @property
+    def slab(self):
+        assert len(self.buffers) >= 1
+        return next(iter(self.buffers))
+
+    def complete(self, stream=None):
+        """Finish the work recorded on `stream` (every stream when None)."""
+        for e in self.events.values():
+            if stream is None or e["stream"] == stream:
+                e["done"] = True
+
+    def records(self, since=0):
+        return [(ev, st) for kind, *rest in self.log[since:] if kind == "record" for ev, st in [rest]]
+
+    def waits(self, since=0):
+        return [(st, ev) for kind, *rest in self.log[since:] if kind == "wait" for st, ev in [rest]]
+
+    def syncs(self, since=0):
+        return [rest[0] for kind, *rest in self.log[since:] if kind == "sync"]

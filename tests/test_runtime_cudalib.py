@@ -1,0 +1,135 @@
+"""The arena on CUDA, without a GPU: the runtime's arena behind libpymem_cuda.so (a block provider),
+reached the way PyTorch reaches it on a GPU (alloc/free entry points with CUDAPluggableAllocator's
+signatures), with the library on a fake CUDA table over host memory. CPU tensors go down that route
+through the pluggable CPU hook, so everything but the real CUDA calls runs: the arena's slab from the
+table's cudaMalloc, the pressure handler under the library, refusals thrown through the library as
+pymem.OutOfBudgetError, the pass-through after disable, and the CUDA-order rules.
+"""
+import gc
+import types
+
+import pytest
+import torch
+
+import pymem
+from pymem import cuda_lib
+from pymem.runtime import hooks
+from pymem.runtime.runtime import Runtime
+
+if cuda_lib.library_path() is None:
+    pytest.skip("pymem/libpymem_cuda.so is not built (setup.py builds it only when a CUDA toolkit is "
+                "found)", allow_module_level=True)
+
+import runtime_models as rm  # noqa: E402
+from fake_cuda import FakeCuda  # noqa: E402
+from test_runtime_training import STEPS, budget_for, check_same, reference  # noqa: E402
+
+torch.set_num_threads(2)
+
+# The library keeps every table it was given, and arenas keep their slabs, for the life of the
+# process: the fakes (their callbacks and buffers) must live as long.
+_FAKES = []
+
+
+@pytest.fixture
+def fake():
+    lib = cuda_lib.load()
+    lib.set_pressure_handler(None)
+    lib.set_provider(0, None)
+    lib.reset()
+    f = FakeCuda()
+    _FAKES.append(f)
+    lib.set_table(f.table)
+    yield f
+    gc.collect()
+    lib.set_provider(0, None)
+    lib.reset()  # fails if a block served through the library was never freed
+
+
+def run_managed(fake, name, budget, steps=STEPS, policy="dtr"):
+    rt = Runtime(budget, policy=policy, hook=hooks.CudaLibHook(0, cuda_lib.load(), route="cpu"))
+    rt.start()
+    try:
+        step = rm.trainer(name)
+        losses = [step() for _ in range(steps)]
+        copies = rm.snapshot(step.model)
+        stats = rt.memory_stats()
+    finally:
+        rt.stop()
+    del step
+    return rt, losses, copies, stats
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_training_through_the_cuda_library_is_bitwise_equal(fake, name):
+    budget = budget_for(name, 0.5)
+    rt, losses, copies, stats = run_managed(fake, name, budget)
+    check_same(name, reference(name), (losses, copies))
+    assert rt.arena.backing == "cuda" and budget in fake.mallocs  # the slab is the table's cudaMalloc
+    assert stats["allocated_bytes.peak"] <= stats["budget_bytes"] == budget, stats
+    assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
+    assert not rt.can_compact  # a CUDA slab does not move blocks
+
+
+def test_refusal_is_out_of_budget_error_through_the_library(fake):
+    rt = Runtime(64 * 1024, hook=hooks.CudaLibHook(0, cuda_lib.load(), route="cpu"))
+    rt.start()
+    try:
+        a = torch.ones(1024)
+        with pytest.raises(pymem.OutOfBudgetError) as info:
+            torch.ones(1 << 20)  # 4 MiB in a 64 KiB budget
+        assert info.value.requested == 4 << 20 and info.value.budget == 64 * 1024
+        assert "aten.ones.default" in str(info.value)
+        assert torch.equal(a + 1, torch.full((1024,), 2.0))  # the runtime still works
+    finally:
+        rt.stop()
+    assert torch.equal(a, torch.ones(1024))  # and the tensor made under it is intact
+
+
+def test_after_disable_the_library_passes_requests_to_cuda_malloc(fake):
+    rt = Runtime(1 << 20, hook=hooks.CudaLibHook(0, cuda_lib.load(), route="cpu"))
+    rt.start()
+    kept = torch.arange(1000.0)
+    rt.stop()
+    lib = cuda_lib.load()
+    before = len(fake.mallocs)
+    # A C++ caller (what PyTorch is on a GPU) gets its blocks from cudaMalloc now: the library's
+    # entry points under the pluggable CPU hook.
+    pymem._C.install_pluggable_cpu_hook(*lib.entry_points())
+    try:
+        t = torch.arange(5000.0)
+    finally:
+        pymem._C.uninstall_pluggable_cpu_hook()
+    assert fake.mallocs[before:] == [5000 * 4]
+    assert float(t.sum()) == sum(range(5000)) and torch.equal(kept, torch.arange(1000.0))
+    del t
+    gc.collect()
+    assert t_freed(fake)
+
+
+def t_freed(fake):
+    return len(fake.frees) >= 1
+
+
+class _FakeTorchCuda(types.SimpleNamespace):
+    pass
+
+
+def test_swap_refused_after_cuda_initialised(monkeypatch):
+    monkeypatch.setattr(hooks, "_cuda_allocator_lib", None)
+    cuda = _FakeTorchCuda(is_initialized=lambda: True)
+    with pytest.raises(RuntimeError, match="already initialised.*before any CUDA work.*PYMEM_BUDGET.*native"):
+        hooks._swap_cuda_allocator(cuda_lib.load(), cuda=cuda)
+    assert not hooks.cuda_allocator_is_pymem()
+
+
+def test_swap_happens_once_per_process(monkeypatch):
+    swaps = []
+    monkeypatch.setattr(hooks, "_cuda_allocator_lib", None)
+    monkeypatch.setattr(cuda_lib, "pluggable_allocator", lambda: "pluggable")
+    cuda = _FakeTorchCuda(is_initialized=lambda: False,
+                          memory=types.SimpleNamespace(change_current_allocator=swaps.append))
+    hooks._swap_cuda_allocator(cuda_lib.load(), cuda=cuda)
+    cuda.is_initialized = lambda: True  # a later enable, after training ran: no second swap
+    hooks._swap_cuda_allocator(cuda_lib.load(), cuda=cuda)
+    assert swaps == ["pluggable"] and hooks.cuda_allocator_is_pymem()
