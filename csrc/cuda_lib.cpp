@@ -748,10 +748,10 @@ PYMEM_CUDA_API int pymem_cuda_reset(void) {
     }
     for (auto& kv : s.devices) {
       Device& d = *kv.second;
-      if (!d.arena) continue;
-      sync_pending_locked(s, d);
+      if (!s.active) continue;  // never used the runtime: no events, no slab
+      sync_pending_locked(s, d);  // a provider's blocks too, back to it
       destroy_events_locked(s, d);
-      d.arena.reset();  // cudaFree of the slab
+      d.arena.reset();  // cudaFree of the slab, if any
     }
     s.devices.clear();
     s.active = nullptr;

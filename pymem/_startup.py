@@ -8,7 +8,7 @@ interpreter without it pays one environment lookup and never imports torch. The 
   PYMEM_BUDGET   the budget, in any form ``pymem.parse_budget`` accepts ("20GB", "80%", ...)
   PYMEM_POLICY   the eviction policy (default ``dtr``)
   PYMEM_DEVICE   ``cpu`` or ``cuda`` (default: CUDA when available, else CPU)
-  PYMEM_ALLOCATOR ``arena`` or ``native`` (default: by device, see ``pymem.enable``)
+  PYMEM_ALLOCATOR ``arena`` (the default) or ``native`` (see ``pymem.enable``)
   PYMEM_LOG      ``debug``, ``info``, ``warning`` or ``error``: pymem's log to stderr at that level
                  (at ``info``, a summary line when the program ends)
 

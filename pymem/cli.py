@@ -132,8 +132,7 @@ def main(argv=None) -> int:
     r.add_argument("--budget", required=True, help='e.g. "20GB", "20GiB", "512MB", "80%%", or bytes')
     r.add_argument("--policy", default="dtr")
     r.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when available)")
-    r.add_argument("--allocator", default=None, help="arena or native (default: arena on the CPU, native on "
-                                                     "CUDA): see pymem.enable")
+    r.add_argument("--allocator", default=None, help="arena (the default) or native: see pymem.enable")
     r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
     r.set_defaults(fn=cmd_run)
     i = sub.add_parser("info", help="version, build, CUDA library, device memory")

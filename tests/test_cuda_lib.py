@@ -557,6 +557,48 @@ def test_reset(cu, fake):
     cu.free(p)
 
 
+def test_passthrough_provider_orders_frees_by_stream(cu, fake):
+    """A provider's blocks (here cudaMalloc's) get the same stream ordering as the arena's."""
+    cu.set_provider(0, cu.passthrough_provider())
+    a = cu.alloc(3000, stream=S1)  # the first allocation: S1 is the primary stream
+    assert fake.mallocs == [3000] and a in fake.buffers
+    cu.free(a)  # only the primary stream used it: straight back to cudaFree
+    assert fake.frees == [a]
+    n = len(fake.log)
+    b = cu.alloc(1000, stream=S2)
+    assert [st for st, _ in fake.waits(n)] == [S2]  # S2 waits for the primary's work so far
+    cu.free(b)  # S2's work may still read it: pending
+    assert b not in fake.frees
+    fake.complete(S2)
+    c = cu.alloc(10, stream=S1)  # polls the pending frees
+    assert b in fake.frees
+    for call in (cu.set_owner, cu.set_pinned):
+        with pytest.raises(cuda_lib.CudaLibError, match="came from a block provider"):
+            call(c, 0)
+    cu.free(c)
+
+
+def test_blocks_go_back_to_the_provider_that_made_them(cu, fake):
+    cu.set_provider(0, cu.passthrough_provider())
+    d = cu.alloc(2000)
+    cu.set_provider(0, None)  # the library's own arena again
+    e = cu.alloc(2000)
+    slab = list(fake.buffers)[-1]
+    assert fake.mallocs == [2000, BUDGET] and slab <= e < slab + BUDGET
+    cu.free(d)
+    assert fake.frees == [d]  # cudaFree, not the arena
+    cu.free(e)
+    assert cu.stats()["num_frees"] == 1
+
+
+def test_bad_provider_is_rejected(lib, fake):
+    with pytest.raises(ValueError, match="device must be >= 0"):
+        lib.set_provider(-1, lib.passthrough_provider())
+    empty = (ctypes.c_void_p * 3)()  # allocate and free both NULL
+    with pytest.raises(ValueError, match="needs both allocate and free"):
+        lib.set_provider(0, ctypes.addressof(empty))
+
+
 def test_slab_allocation_failure(cu, fake):
     fake.fail_malloc = 2  # cudaErrorMemoryAllocation
     assert cu.raw.pymem_cuda_alloc(KiB, 0, None) is None
