@@ -73,11 +73,14 @@ class CudaLibHook:
     def prepare(self) -> None:
         """Before anything touches CUDA: PyTorch's allocator becomes the library, passing requests
         through until ``install`` (so calibration's buffers stay out of the budget)."""
+        devices = []
         if self.route == "cuda":
             _swap_cuda_allocator(self.lib)
             if self.index is None:
                 self.index = torch.cuda.current_device()
-        self.lib.set_provider(self.index, self.lib.passthrough_provider())
+            devices = range(torch.cuda.device_count())  # the library serves them all from now on
+        for i in {self.index, *devices}:
+            self.lib.set_provider(i, self.lib.passthrough_provider())
 
     def make_arena(self, budget: int):
         return _C.Arena(budget, backing="cuda", device=self.index, cuda_table=self.lib.runtime_table(),
