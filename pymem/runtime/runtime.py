@@ -122,6 +122,10 @@ class Runtime:
             raise ValueError(f"allocator {allocator!r} is not one of {', '.join(map(repr, ALLOCATORS))}")
         self.device = _check_device(device, allocator)
         device = self.device.type
+        if not (cost is None or isinstance(cost, _cost_model.CostModel) or cost in COSTS):
+            raise ValueError(f"cost {cost!r} is not one of {', '.join(map(repr, COSTS))} or a pymem.cost_model.CostModel")
+        # Settings are checked before the hook's prepare, which on CUDA cannot be undone.
+        self.policy: Policy = policy if isinstance(policy, Policy) else get_policy(policy)
         if allocator == "arena":
             self.hook = hook if hook is not None else \
                 CpuHook() if device == "cpu" else CudaLibHook(self.device.index)
@@ -139,11 +143,8 @@ class Runtime:
             cost = "measured" if device == "cpu" else "estimate"
         if isinstance(cost, _cost_model.CostModel):
             self.cost_model: Optional[_cost_model.CostModel] = cost
-        elif cost in COSTS:
-            self.cost_model = _cost_model.calibrated(str(self.device)) if cost == "estimate" else None
         else:
-            raise ValueError(f"cost {cost!r} is not one of {', '.join(map(repr, COSTS))} or a pymem.cost_model.CostModel")
-        self.policy: Policy = policy if isinstance(policy, Policy) else get_policy(policy)
+            self.cost_model = _cost_model.calibrated(str(self.device)) if cost == "estimate" else None
         budget -= budget % _C.ALIGNMENT  # the arena's granularity; rounding down keeps the cap hard
         self.budget = budget
         self.allocator = allocator
