@@ -356,11 +356,7 @@ int free_impl(void* ptr, int device, const uint64_t* owner = nullptr) {
     if (std::find(users.begin(), users.end(), st) == users.end()) users.push_back(st);
 
   if (d->has_primary && users.size() == 1 && users[0] == d->primary) {
-    // Ordered behind all earlier work of the primary stream.
-    if (info.provider)
-      info.provider->free(info.provider->ctx, addr, d->index);
-    else
-      d->arena->free(addr);
+    release_block_locked(*d, info.provider, addr);  // ordered behind the primary stream's work
     return 0;
   }
 
@@ -413,6 +409,27 @@ int with_live_block(const char* what, void* ptr, int device, bool arena_only, F&
   return 0;
 }
 
+// Records a block just allocated on `stream` as live. A block for another stream than the primary
+// one makes that stream wait for the primary's work first (see cuda_lib.h); if that fails, the
+// block goes back to its source and the error is returned.
+int track_block_locked(State& s, Device& d, uintptr_t addr, size_t nbytes, void* stream,
+                       const pymem_block_provider* provider) {
+  if (stream != d.primary) {
+    if (int err = order_after_primary_locked(s, d, stream)) {
+      release_block_locked(d, provider, addr);
+      return fail(PYMEM_CUDA_E_CUDA, "pymem: making stream " + format_address(reinterpret_cast<uintptr_t>(stream)) +
+                                         " wait for the primary stream failed with CUDA error " +
+                                         std::to_string(err));
+    }
+  }
+  BlockInfo info;
+  info.provider = provider;
+  info.size = pymem::align_up(nbytes);
+  info.alloc_stream = stream;
+  d.live.emplace(addr, std::move(info));
+  return 0;
+}
+
 // pymem_cuda_alloc's provider path. Not noexcept: the provider's exception is the caller's.
 uintptr_t alloc_from_provider(const pymem_block_provider* provider, size_t nbytes, int device, void* stream) {
   State& s = state();
@@ -435,20 +452,7 @@ uintptr_t alloc_from_provider(const pymem_block_provider* provider, size_t nbyte
       return fail(PYMEM_CUDA_E_INTERNAL, "pymem: the block provider of device " + std::to_string(device) +
                                              " returned no block for " + std::to_string(nbytes) + " bytes");
     std::lock_guard<std::mutex> lock(s.mu);
-    Device& d = get_device_locked(s, device);
-    BlockInfo info;
-    info.provider = provider;
-    info.size = pymem::align_up(nbytes);
-    info.alloc_stream = stream;
-    if (stream != d.primary) {
-      if (int err = order_after_primary_locked(s, d, stream)) {
-        provider->free(provider->ctx, addr, device);
-        return fail(PYMEM_CUDA_E_CUDA, "pymem: making stream " + format_address(reinterpret_cast<uintptr_t>(stream)) +
-                                           " wait for the primary stream failed with CUDA error " +
-                                           std::to_string(err));
-      }
-    }
-    d.live.emplace(addr, std::move(info));
+    if (int err = track_block_locked(s, get_device_locked(s, device), addr, nbytes, stream, provider)) return err;
     result = addr;
     return 0;
   });
@@ -578,18 +582,7 @@ PYMEM_CUDA_API void* pymem_cuda_alloc(ssize_t size, int device, void* stream) {
       arena->try_free(addr);
       return fail(PYMEM_CUDA_E_STATE, "pymem: pymem_cuda_reset ran during an allocation");
     }
-    BlockInfo info;
-    info.size = pymem::align_up(nbytes);
-    info.alloc_stream = stream;
-    if (stream != d->primary) {
-      if (int err = order_after_primary_locked(s, *d, stream)) {
-        arena->free(addr);
-        return fail(PYMEM_CUDA_E_CUDA, "pymem: making stream " + format_address(reinterpret_cast<uintptr_t>(stream)) +
-                                           " wait for the primary stream failed with CUDA error " +
-                                           std::to_string(err));
-      }
-    }
-    d->live.emplace(addr, std::move(info));
+    if (int err = track_block_locked(s, *d, addr, nbytes, stream, nullptr)) return err;
     result = addr;
     return 0;
   });

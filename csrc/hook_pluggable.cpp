@@ -28,12 +28,9 @@ uintptr_t provider_allocate(void* ctx, size_t nbytes, int) {
   }
 }
 
-// A deleter's free: it cannot throw, so a bad address is reported and counted, not raised.
-std::atomic<uint64_t> g_bad_frees{0};
-
+// A deleter's free: it cannot throw, so a bad address is reported, not raised.
 void provider_free(void* ctx, uintptr_t addr, int) {
   if (!static_cast<Arena*>(ctx)->try_free(addr)) {
-    g_bad_frees.fetch_add(1);
     std::fprintf(stderr, "pymem: the CUDA library freed %p, which its arena did not allocate; ignored\n",
                  reinterpret_cast<void*>(addr));
   }

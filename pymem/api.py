@@ -9,14 +9,14 @@ from . import snapshot
 from .budget import parse_budget
 from .cost_model import CostModel
 from .runtime import Runtime
-from .runtime.hooks import cuda_allocator_is_pymem
+from .runtime.hooks import check_cuda_order  # noqa: F401  (part of the API: tested, documented)
 from .runtime.runtime import ALLOCATORS, COSTS
 
 log = logging.getLogger("pymem")
 log.addHandler(logging.NullHandler())  # silent unless the application configures logging
 
 _current: Optional[Runtime] = None
-_settings: Optional[tuple] = None  # (budget bytes, policy, device) of the active runtime
+_settings: Optional[tuple] = None  # enable()'s checked arguments for the active runtime
 _last_stats: dict = {}
 
 
@@ -94,32 +94,6 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     return rt
 
 
-def check_cuda_order(device: str, allocator: str, cuda_initialized=None, swapped=None) -> None:
-    """The arena replaces PyTorch's CUDA allocator, which PyTorch allows only before CUDA
-    initialises, and only once: a clear error instead of a half-installed allocator, or a native
-    cap on an allocator that ignores it."""
-    if not device.startswith("cuda"):
-        return
-    swapped = cuda_allocator_is_pymem() if swapped is None else swapped
-    if allocator == "native":
-        if swapped:
-            raise RuntimeError(
-                "allocator='native' caps PyTorch's CUDA caching allocator, but an earlier "
-                "pymem.enable(allocator='arena') in this process replaced it with pymem's library, and "
-                "PyTorch cannot swap it back; use allocator='arena', or a new process")
-        return
-    if swapped:  # the library is PyTorch's allocator already: a new arena plugs into it
-        return
-    initialized = torch.cuda.is_initialized() if cuda_initialized is None else cuda_initialized
-    if initialized:
-        raise RuntimeError(
-            "pymem.enable() came after CUDA was initialised (a CUDA tensor or call ran first), and "
-            "PyTorch's CUDA allocator can only be replaced before that. Call pymem.enable() at the top "
-            "of the script, before any CUDA work, or start the unchanged script with PYMEM_BUDGET=<budget> "
-            "in the environment (pymem then enables itself at interpreter start); or pass "
-            "allocator='native' to keep PyTorch's caching allocator, capped at the budget.")
-
-
 @contextlib.contextmanager
 def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
@@ -137,7 +111,8 @@ def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = 
 
 
 def disable() -> None:
-    """Return to plain PyTorch: every evicted tensor is restored; all tensors stay valid."""
+    """Return to plain PyTorch: every evicted tensor is restored; all tensors stay valid. (With the
+    arena on CUDA, PyTorch keeps pymem's library as its allocator, which passes requests to cudaMalloc.)"""
     global _current, _settings, _last_stats
     rt = _current
     if rt is None:

@@ -108,14 +108,10 @@ def test_after_disable_the_library_passes_requests_to_cuda_malloc(fake):
     assert addr in fake.frees  # and back to cudaFree when it dies
 
 
-class _FakeTorchCuda(types.SimpleNamespace):
-    pass
-
-
 def test_swap_refused_after_cuda_initialised(monkeypatch):
     monkeypatch.setattr(hooks, "_cuda_allocator_lib", None)
-    cuda = _FakeTorchCuda(is_initialized=lambda: True)
-    with pytest.raises(RuntimeError, match="already initialised.*before any CUDA work.*PYMEM_BUDGET.*native"):
+    cuda = types.SimpleNamespace(is_initialized=lambda: True)
+    with pytest.raises(RuntimeError, match="came after CUDA was initialised.*before any CUDA work.*PYMEM_BUDGET.*native"):
         hooks._swap_cuda_allocator(cuda_lib.load(), cuda=cuda)
     assert not hooks.cuda_allocator_is_pymem()
 
@@ -124,8 +120,8 @@ def test_swap_happens_once_per_process(monkeypatch):
     swaps = []
     monkeypatch.setattr(hooks, "_cuda_allocator_lib", None)
     monkeypatch.setattr(cuda_lib, "pluggable_allocator", lambda: "pluggable")
-    cuda = _FakeTorchCuda(is_initialized=lambda: False,
-                          memory=types.SimpleNamespace(change_current_allocator=swaps.append))
+    cuda = types.SimpleNamespace(is_initialized=lambda: False,
+                                 memory=types.SimpleNamespace(change_current_allocator=swaps.append))
     hooks._swap_cuda_allocator(cuda_lib.load(), cuda=cuda)
     cuda.is_initialized = lambda: True  # a later enable, after training ran: no second swap
     hooks._swap_cuda_allocator(cuda_lib.load(), cuda=cuda)

@@ -27,16 +27,37 @@ def cuda_allocator_is_pymem() -> bool:
     return _cuda_allocator_lib is not None
 
 
+def check_cuda_order(device: str, allocator: str, cuda_initialized=None, swapped=None) -> None:
+    """The arena replaces PyTorch's CUDA allocator, which PyTorch allows only before CUDA
+    initialises, and only once: a clear error instead of a half-installed allocator, or a native
+    cap on an allocator that ignores it. ``cuda_initialized`` / ``swapped``: None reads the process."""
+    if not device.startswith("cuda"):
+        return
+    swapped = cuda_allocator_is_pymem() if swapped is None else swapped
+    if allocator == "native":
+        if swapped:
+            raise RuntimeError(
+                "allocator='native' caps PyTorch's CUDA caching allocator, but an earlier "
+                "pymem.enable(allocator='arena') in this process replaced it with pymem's library, and "
+                "PyTorch cannot swap it back; use allocator='arena', or a new process")
+        return
+    if swapped:  # the library is PyTorch's allocator already: a new arena plugs into it
+        return
+    initialized = torch.cuda.is_initialized() if cuda_initialized is None else cuda_initialized
+    if initialized:
+        raise RuntimeError(
+            "pymem.enable() came after CUDA was initialised (a CUDA tensor or call ran first), and "
+            "PyTorch's CUDA allocator can only be replaced before that. Call pymem.enable() at the top "
+            "of the script, before any CUDA work, or start the unchanged script with PYMEM_BUDGET=<budget> "
+            "in the environment (pymem then enables itself at interpreter start); or pass "
+            "allocator='native' to keep PyTorch's caching allocator, capped at the budget.")
+
+
 def _swap_cuda_allocator(lib: cuda_lib.CudaLib, cuda=torch.cuda) -> None:
     global _cuda_allocator_lib
     if _cuda_allocator_lib is not None:
         return
-    if cuda.is_initialized():
-        raise RuntimeError(
-            "pymem: CUDA is already initialised in this process, and PyTorch's CUDA allocator can only "
-            "be replaced before that. Call pymem.enable() at the top of the script, before any CUDA "
-            "work, or set PYMEM_BUDGET so pymem starts with the interpreter; or pass "
-            "allocator='native' to keep PyTorch's caching allocator, capped at the budget.")
+    check_cuda_order("cuda", "arena", cuda_initialized=cuda.is_initialized(), swapped=False)
     cuda.memory.change_current_allocator(cuda_lib.pluggable_allocator())
     _cuda_allocator_lib = lib
 
