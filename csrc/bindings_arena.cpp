@@ -16,7 +16,9 @@ namespace pymem {
 
 namespace {
 
-py::object g_out_of_budget;  // set once by pymem/__init__.py; lives for the process
+// Set once by pymem/__init__.py. A leaked handle: a static py::object would decref at exit, after
+// the interpreter is finalised.
+PyObject* g_out_of_budget = nullptr;
 
 SearchMode parse_mode(const std::string& s) {
   if (s == "window") return SearchMode::Window;
@@ -86,13 +88,14 @@ py::dict stats_dict(const ArenaStats& s) {
 }  // namespace
 
 py::handle out_of_budget_class() {
-  return g_out_of_budget ? g_out_of_budget : py::handle(PyExc_MemoryError);
+  return py::handle(g_out_of_budget ? g_out_of_budget : PyExc_MemoryError);
 }
 
 void set_out_of_budget_class(py::object cls) {
   if (!PyType_Check(cls.ptr()) || !PyObject_IsSubclass(cls.ptr(), PyExc_BaseException))
     throw py::type_error("the out-of-budget error must be an exception class");
-  g_out_of_budget = std::move(cls);
+  Py_XDECREF(g_out_of_budget);
+  g_out_of_budget = cls.release().ptr();
 }
 
 void set_python_out_of_budget(const OutOfBudget& e) {

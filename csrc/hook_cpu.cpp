@@ -35,7 +35,9 @@ std::atomic<size_t> g_num_slots{0};
 std::atomic<Arena*> g_active{nullptr};
 std::atomic<uint64_t> g_bad_frees{0};
 std::mutex g_install_mutex;                 // guards the three below
-std::vector<std::shared_ptr<Arena>> g_arenas;  // keeps every installed arena alive
+// Keeps every installed arena alive, even through exit (never destroyed): a tensor freed by another
+// library's static destructor must still find its arena.
+auto* const g_arenas = new std::vector<std::shared_ptr<Arena>>;
 std::shared_ptr<Arena> g_active_owner;
 c10::Allocator* g_previous = nullptr;
 
@@ -108,13 +110,13 @@ void install_cpu_hook(std::shared_ptr<Arena> arena) {
                           "uninstall it before installing an arena");
   std::lock_guard<std::mutex> lock(g_install_mutex);
   bool known = false;
-  for (const auto& a : g_arenas) known |= (a == arena);
+  for (const auto& a : *g_arenas) known |= (a == arena);
   if (!known) {
     const size_t n = g_num_slots.load();
     if (n == kMaxArenas)
       throw InvalidArgument("pymem: at most " + std::to_string(kMaxArenas) +
                             " distinct arenas can be installed as the CPU allocator in one process");
-    g_arenas.push_back(arena);
+    g_arenas->push_back(arena);
     g_slots[n].store(arena.get(), std::memory_order_release);
     g_num_slots.store(n + 1, std::memory_order_release);
   }

@@ -36,9 +36,12 @@ void provider_free(void* ctx, uintptr_t addr, int) {
   }
 }
 
+// Never released, not even at exit (see header): heap objects whose destructors never run. A static
+// vector's destructor would free the slabs at exit, through a CUDA table that may call into a
+// finalised interpreter (tests' fakes) or a CUDA runtime already torn down (a GPU).
 std::mutex g_providers_mutex;
-std::vector<std::shared_ptr<Arena>> g_provider_arenas;            // never released (see header)
-std::vector<std::unique_ptr<pymem_block_provider>> g_providers;
+auto* const g_provider_arenas = new std::vector<std::shared_ptr<Arena>>;
+auto* const g_providers = new std::vector<std::unique_ptr<pymem_block_provider>>;
 
 // ---- the pluggable CPU allocator ---------------------------------------------------------------
 
@@ -81,10 +84,10 @@ PluggableCPUAllocator g_allocator;
 uintptr_t arena_block_provider(std::shared_ptr<Arena> arena) {
   if (!arena) throw InvalidArgument("arena_block_provider needs an arena");
   std::lock_guard<std::mutex> lock(g_providers_mutex);
-  g_provider_arenas.push_back(arena);
-  g_providers.push_back(std::make_unique<pymem_block_provider>(
+  g_provider_arenas->push_back(arena);
+  g_providers->push_back(std::make_unique<pymem_block_provider>(
       pymem_block_provider{&provider_allocate, &provider_free, arena.get()}));
-  return reinterpret_cast<uintptr_t>(g_providers.back().get());
+  return reinterpret_cast<uintptr_t>(g_providers->back().get());
 }
 
 void install_pluggable_cpu_hook(uintptr_t alloc_fn, uintptr_t free_fn) {

@@ -126,3 +126,32 @@ def test_swap_happens_once_per_process(monkeypatch):
     cuda.is_initialized = lambda: True  # a later enable, after training ran: no second swap
     hooks._swap_cuda_allocator(cuda_lib.load(), cuda=cuda)
     assert swaps == ["pluggable"] and hooks.cuda_allocator_is_pymem()
+
+
+EXIT_RUN = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from fake_cuda import FakeCuda
+from pymem import cuda_lib
+from pymem.runtime import hooks
+from pymem.runtime.runtime import Runtime
+fake = FakeCuda()
+lib = cuda_lib.load()
+lib.set_table(fake.table)
+rt = Runtime(1 << 20, hook=hooks.CudaLibHook(0, lib, route="cpu"))
+rt.start()
+kept = torch.arange(1000.0) * 2  # a tensor in the arena, alive at exit
+rt.stop()
+print("ran", float(kept.sum()))
+"""
+
+
+def test_process_exits_cleanly_with_arena_and_tensors_alive():
+    # The provider's arena and its slab outlive the interpreter: no destructor may free them at exit
+    # (here that would call the fake's Python cudaFree after finalisation; on a GPU, a torn-down CUDA).
+    import os
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-c", EXIT_RUN, os.path.dirname(__file__)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and "ran 999000.0" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
