@@ -229,6 +229,16 @@ size_t Arena::block_size(uintptr_t addr) const {
   return find_allocated_locked(addr, "block_size")->size;
 }
 
+size_t Arena::free_bytes_if_fits(size_t nbytes) const {
+  if (nbytes == 0 || nbytes > budget_) return 0;
+  const size_t rounded = align_up(nbytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  // The same regions try_allocate_locked would try, in the same order.
+  const bool fits = (rounded <= small_threshold_ && small_->largest_free() >= rounded) ||
+                    main_->largest_free() >= rounded;
+  return fits ? budget_ - stats_.allocated_bytes : 0;
+}
+
 void Arena::set_pressure_handler(PressureHandler handler) {
   std::lock_guard<std::mutex> lock(mutex_);
   handler_ = std::move(handler);

@@ -63,6 +63,9 @@ class Arena {
   void set_pinned(uintptr_t addr, bool pinned);
   // Size of the allocated block at addr (rounded). Throws InvalidArgument if none.
   size_t block_size(uintptr_t addr) const;
+  // Free bytes if a request of `nbytes` fits now without pressure (so without releasing anything),
+  // else 0. For speculative allocations (prefetch) that must never cause an eviction.
+  size_t free_bytes_if_fits(size_t nbytes) const;
 
   // Compaction (compact.cpp): slides each listed block (allocated, main region, not pinned) up to
   // the highest address it can reach without passing a block that is not listed, moving its bytes

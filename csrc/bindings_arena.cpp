@@ -224,6 +224,8 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
       .def("set_pinned", &Arena::set_pinned, py::arg("addr"), py::arg("pinned"),
            "Pinned blocks are never put in a window (e.g. inputs of the running op).")
       .def("block_size", &Arena::block_size, py::arg("addr"))
+      .def("free_bytes_if_fits", &Arena::free_bytes_if_fits, py::arg("nbytes"),
+           "The arena's free bytes if a request of nbytes fits now without pressure, else 0.")
       .def("find_window",
            [](Arena& a, long long nbytes) -> py::object {
              Window w = a.find_window(check_size(nbytes, "window size"));

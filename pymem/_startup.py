@@ -9,6 +9,8 @@ interpreter without it pays one environment lookup and never imports torch. The 
   PYMEM_POLICY   the eviction policy (default ``dtr``)
   PYMEM_DEVICE   ``cpu`` or ``cuda`` (default: CUDA when available, else CPU)
   PYMEM_ALLOCATOR ``arena`` (the default) or ``native`` (see ``pymem.enable``)
+  PYMEM_OFFLOAD  ``delta`` (the CUDA default), ``never`` (the CPU default) or ``always``
+  PYMEM_PREFETCH ``1`` (the default) or ``0``
   PYMEM_LOG      ``debug``, ``info``, ``warning`` or ``error``: pymem's log to stderr at that level
                  (at ``info``, a summary line when the program ends)
 
@@ -28,7 +30,7 @@ def settings_from_env(environ: Mapping[str, str]) -> Dict[str, object]:
     """``enable()``'s keyword arguments from the PYMEM_* variables; ValueError naming the variable
     and the accepted values on anything malformed."""
     from .budget import parse_budget
-    from .policies import policy_names
+    from .policies import director_names, policy_names
     from .runtime.runtime import ALLOCATORS
 
     raw = environ.get("PYMEM_BUDGET", "")
@@ -49,6 +51,14 @@ def settings_from_env(environ: Mapping[str, str]) -> Dict[str, object]:
     if allocator is not None and allocator not in ALLOCATORS:
         raise ValueError(f"PYMEM_ALLOCATOR={allocator!r} is not an allocator; accepted: {', '.join(ALLOCATORS)}")
     settings["allocator"] = allocator
+    offload = environ.get("PYMEM_OFFLOAD", "").strip() or None  # None: by device
+    if offload is not None and offload not in director_names():
+        raise ValueError(f"PYMEM_OFFLOAD={offload!r} is not accepted; accepted: {', '.join(director_names())}")
+    settings["offload"] = offload
+    prefetch = environ.get("PYMEM_PREFETCH", "").strip() or "1"
+    if prefetch not in ("0", "1"):
+        raise ValueError(f"PYMEM_PREFETCH={prefetch!r} is not accepted; accepted: 0, 1")
+    settings["prefetch"] = prefetch == "1"
     level = environ.get("PYMEM_LOG", "").strip().lower()
     if level and level not in LOG_LEVELS:
         raise ValueError(f"PYMEM_LOG={environ['PYMEM_LOG']!r} is not a log level; accepted: {', '.join(LOG_LEVELS)}")

@@ -8,6 +8,7 @@ import torch
 from . import snapshot
 from .budget import parse_budget
 from .cost_model import CostModel
+from .policies import director_names
 from .runtime import Runtime
 from .runtime.hooks import check_cuda_order  # noqa: F401  (part of the API: tested, documented)
 from .runtime.runtime import ALLOCATORS, COSTS
@@ -30,9 +31,10 @@ def _resolve_device(device: Optional[str]) -> str:
 
 def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
-           cost: Union[None, str, CostModel] = None) -> Runtime:
-    """Keep every tensor allocated from now on inside ``budget``, evicting and recomputing tensors
-    under pressure; training gives bitwise the same results. Tensors that exist already stay where
+           cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
+           prefetch: bool = True) -> Runtime:
+    """Keep every tensor allocated from now on inside ``budget``, evicting (recomputed on next use)
+    or offloading (copied back) tensors under pressure; training gives bitwise the same results. Tensors that exist already stay where
     they are (outside the budget).
 
     budget: bytes (int) or a string — ``"20GB"``, ``"20GiB"``, ``"512MB"``, ``"1.5TB"``, ``"80%"`` of the
@@ -62,6 +64,16 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     see only the kernel launch). Or a ``pymem.cost_model.CostModel`` with fixed rates. Estimates make
     the same decisions every time a program runs in one process; fixed rates, on every machine.
 
+    offload: for each value the policy releases, whether it goes to host memory (copied back when
+    used, or before) or is evicted (recomputed when used) — a director from
+    ``pymem.policies.director_names()``: ``"delta"`` (offload when copying out and back costs less
+    than recomputing it with its evicted ancestors; the CUDA default), ``"never"`` (the CPU default:
+    there host memory is the memory the budget caps), ``"always"``. Host copies (pinned memory on
+    CUDA) are outside the budget; ``memory_stats()["host_bytes"]`` says how much they hold.
+    prefetch: bring offloaded values back ahead of use, newest first (backward reads activations in
+    reverse), into free arena memory only, on a side stream (a worker thread on the CPU). Needs
+    ``allocator="arena"``.
+
     Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
     global _current, _settings
@@ -77,33 +89,43 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     if cost is not None and not isinstance(cost, CostModel) and cost not in COSTS:
         raise ValueError(f"cost {cost!r} is not accepted; accepted: None (by device), "
                          f"{', '.join(map(repr, COSTS))}, or a pymem.cost_model.CostModel")
-    settings = (nbytes, policy, device, allocator, sampling, cost)
+    if offload is not None and offload not in director_names():
+        raise ValueError(f"offload {offload!r} is not accepted; accepted: None (by device), "
+                         f"{', '.join(map(repr, director_names()))}")
+    if not isinstance(prefetch, bool):
+        raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+    settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch)
     if _current is not None:
         if settings == _settings:
             return _current
-        raise RuntimeError(f"pymem is already enabled with budget={_settings[0]} B, policy={_settings[1]!r}, "
-                           f"device={_settings[2]!r}, allocator={_settings[3]!r}, sampling={_settings[4]}, "
-                           f"cost={_settings[5]!r}; call pymem.disable() before enabling it with budget={nbytes} B, "
-                           f"policy={policy!r}, device={device!r}, allocator={allocator!r}, sampling={sampling}, "
-                           f"cost={cost!r}")
+        names = ("budget", "policy", "device", "allocator", "sampling", "cost", "offload", "prefetch")
+        raise RuntimeError(f"pymem is already enabled with {_describe(names, _settings)}; call pymem.disable() "
+                           f"before enabling it with {_describe(names, settings)}")
     check_cuda_order(device, allocator)
-    rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost)
+    rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
+                 offload=offload, prefetch=prefetch)
     rt.start()
     _current, _settings = rt, settings
     log.info("pymem enabled: budget %d B, policy %s, device %s, allocator %s", rt.budget, policy, device, allocator)
     return rt
 
 
+def _describe(names, values) -> str:
+    return ", ".join(f"{k}={v} B" if k == "budget" else f"{k}={v!r}" for k, v in zip(names, values))
+
+
 @contextlib.contextmanager
 def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
-           cost: Union[None, str, CostModel] = None) -> Iterator[Runtime]:
+           cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
+           prefetch: bool = True) -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
     if _current is not None:
         raise RuntimeError("pymem.budget() cannot be used while pymem is already enabled; "
                            "call pymem.disable() first")
-    rt = enable(limit, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost)
+    rt = enable(limit, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
+                offload=offload, prefetch=prefetch)
     try:
         yield rt
     finally:
@@ -143,7 +165,12 @@ def memory_stats() -> dict:
     Always: ``budget_bytes``, ``allocated_bytes.current`` / ``.peak``, ``num_allocs``, ``num_frees``,
     ``allocator`` (``"arena"`` or ``"native"``), ``num_ops``, ``num_evictions``, ``evicted_bytes``,
     ``num_rematerializations``, ``remat_seconds``, ``num_invalidations``, ``num_leaf_copies``,
-    ``num_retries`` (ops run again after a refused allocation), ``num_records``.
+    ``num_retries`` (ops run again after a refused allocation), ``num_records``; offloading:
+    ``num_offloads`` / ``offloaded_bytes`` (values released to host memory; evictions count the
+    others), ``offload_copied_bytes`` (copied out: a value released again reuses its copy),
+    ``num_swap_ins`` / ``swapped_in_bytes`` (copied back when an op needed them),
+    ``num_prefetches`` / ``prefetched_bytes`` (copied back ahead of use), ``num_prefetches_cancelled``,
+    ``swap_seconds`` (time the program waited on copies), ``host_bytes`` / ``host_bytes.peak``.
     With the arena: ``requested_bytes.current``, ``pinned_bytes.current``, ``free_bytes``,
     ``largest_free_block``, ``fragmentation.largest_free`` / ``.peak`` / ``.pressure``,
     ``num_pressure_events``, ``num_compactions``, ``num_moved_blocks``, ``moved_bytes``, ...
@@ -197,6 +224,10 @@ def memory_summary() -> str:
         ("ops seen", str(s.get("num_ops", 0))),
         ("evictions (bytes)", f"{s.get('num_evictions', 0)} ({format_bytes(s.get('evicted_bytes', 0))})"),
         ("rematerializations (s)", f"{s.get('num_rematerializations', 0)} ({s.get('remat_seconds', 0.0):.3f} s)"),
+        ("offloads (bytes)", f"{s.get('num_offloads', 0)} ({format_bytes(s.get('offloaded_bytes', 0))})"),
+        ("swap-ins / prefetches", f"{s.get('num_swap_ins', 0)} / {s.get('num_prefetches', 0)} "
+                                  f"({s.get('swap_seconds', 0.0):.3f} s waiting)"),
+        ("host copies now / peak", f"{format_bytes(s.get('host_bytes', 0))} / {format_bytes(s.get('host_bytes.peak', 0))}"),
         ("compactions (moved)", f"{s.get('num_compactions', 0)} ({format_bytes(s.get('moved_bytes', 0))})"),
         ("pressure events", str(s.get("num_pressure_events", 0))),
         ("fragmentation now", f"{s.get('fragmentation.largest_free', 0.0):.1%} (1 - largest free / free)"),

@@ -3,7 +3,8 @@
   pymem demo   train a small GPT-style model on CPU twice, unmanaged and under pymem with a budget
                of 40% of its peak, and show peak, budget, slowdown, evictions and that the losses
                and parameters match bitwise
-  pymem run    pymem run --budget 2GB [--policy P] [--allocator native] -- script.py args...: the script under pymem,
+  pymem run    pymem run --budget 2GB [--policy P] [--allocator native] [--offload D] [--no-prefetch]
+               -- script.py args...: the script under pymem,
                a memory summary at exit
   pymem info   version, build, CUDA library, device memory
 """
@@ -101,7 +102,8 @@ def cmd_run(args) -> int:
         print(f"pymem run: cannot open script {script[0]!r}: no such file", file=sys.stderr)
         return 2
     try:
-        pymem.enable(args.budget, policy=args.policy, device=args.device, allocator=args.allocator)
+        pymem.enable(args.budget, policy=args.policy, device=args.device, allocator=args.allocator,
+                     offload=args.offload, prefetch=not args.no_prefetch)
     except (ValueError, RuntimeError) as e:
         print(f"pymem run: {e}", file=sys.stderr)
         return 2
@@ -133,6 +135,9 @@ def main(argv=None) -> int:
     r.add_argument("--policy", default="dtr")
     r.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when available)")
     r.add_argument("--allocator", default=None, help="arena (the default) or native: see pymem.enable")
+    r.add_argument("--offload", default=None,
+                   help="delta (the CUDA default), never (the CPU default) or always: see pymem.enable")
+    r.add_argument("--no-prefetch", action="store_true", help="copy offloaded values back only when used")
     r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
     r.set_defaults(fn=cmd_run)
     i = sub.add_parser("info", help="version, build, CUDA library, device memory")

@@ -15,6 +15,7 @@ import functools
 import time
 from typing import Dict, Optional, Sequence
 
+import numpy as np
 import torch
 from torch.utils.flop_counter import flop_registry
 
@@ -168,3 +169,30 @@ def _calibrate(device: torch.device, matmul_n: Optional[int] = None, add_numel: 
     flop_rate = 2 * n ** 3 / max(mm - launch, 1e-9)
     byte_rate = 3 * m * 4 / max(add - launch, 1e-9)
     return CostModel(flop_rate, byte_rate, launch, str(device))
+
+
+_bandwidth: Dict[str, float] = {}
+
+
+def host_link_bandwidth(device: str = "cpu") -> float:
+    """Bytes per second of one copy between the device and host memory (what offloading a value or
+    bringing it back costs): timed once per process, like ``calibrated``, before pymem's allocator
+    is installed. CUDA: device to pinned host memory. CPU: host to host (the CPU device's "offload"
+    copies into host buffers outside the arena)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    bw = _bandwidth.get(str(dev))
+    if bw is None:
+        n = 32 << 20
+        best = _timer(dev)
+        if dev.type == "cuda":
+            src = torch.empty(n, dtype=torch.uint8, device=dev)
+            dst = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+        else:
+            src = torch.from_numpy(np.ones(n, dtype=np.uint8))
+            dst = torch.from_numpy(np.empty(n, dtype=np.uint8))
+        with torch.no_grad():
+            seconds = best(lambda: dst.copy_(src), 5)
+        bw = _bandwidth[str(dev)] = n / max(seconds, 1e-9)
+    return bw

@@ -11,6 +11,8 @@ class TensorView(Protocol):
     last_access: float          # logical clock of its last use
     evicted_neighbour_cost: float  # e*: cost of the evicted neighbourhood (union-find estimate)
     evicted_ancestor_cost: float   # cost of evicted ancestors that a recompute would also redo
+    swap_cost: float            # c_s: one copy to or from host memory (bytes / link bandwidth)
+    has_host_copy: bool         # a valid host copy exists: releasing again copies nothing
 
 
 class Policy:

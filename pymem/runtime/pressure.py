@@ -100,8 +100,8 @@ class PressureHandler:
                 k = (r.need_rank, evaluate(r, now))
                 if k < best_key:
                     best, best_key = r, k
-        if best is None:
-            return 0
+        if best is None:  # last resort: a prefetch's buffer, still filling
+            return rt.swap.cancel_one() if rt.swap is not None else 0
         rt.release(best)
         return best.nbytes
 

@@ -63,7 +63,7 @@ class Record:
     """One value of one alias pool; read by policies through the TensorView attributes."""
 
     __slots__ = ("id", "sref", "nbytes", "compute_cost", "last_access", "recipe", "locks", "waits", "need_rank", "evicted",
-                 "in_arena", "children", "lost", "op", "rt", "__weakref__")
+                 "in_arena", "children", "lost", "op", "rt", "host", "__weakref__")
 
     def __init__(self, rt, sref, nbytes: int, cost: float, now: float, recipe: Optional[Recipe], op,
                  in_arena: bool) -> None:
@@ -82,6 +82,7 @@ class Record:
         self.children: List[Any] = []  # weakrefs to records whose recipes read this value
         self.lost = None            # why this value can no longer be recomputed (str), if so
         self.op = op                # name of the producing op, for messages
+        self.host = None            # a host copy of the value (swap.py), valid while the record lives
 
     # --- TensorView (what policies read) ---
     @property
@@ -96,10 +97,21 @@ class Record:
             if r.id in seen or self.rt.is_available(r):
                 continue
             seen.add(r.id)
+            if r.host is not None:  # comes back by a copy; its own ancestors are not needed
+                total += r.swap_cost
+                continue
             total += r.compute_cost
             if r.recipe is not None:
                 stack.extend(r.recipe.input_records())
         return total
+
+    @property
+    def swap_cost(self) -> float:
+        return self.nbytes / self.rt.link_bandwidth
+
+    @property
+    def has_host_copy(self) -> bool:
+        return self.host is not None
 
     # --- graph ---
     def neighbour_ids(self) -> List[int]:
@@ -111,6 +123,7 @@ class Record:
         return ids
 
     def __repr__(self) -> str:
-        state = ("lost" if self.lost else "evicted" if self.evicted else
+        state = ("lost" if self.lost else "offloaded" if self.evicted and self.host is not None else
+                 "evicted" if self.evicted else
                  "leaf" if self.recipe is None else "resident")
         return f"Record(#{self.id} {self.op} {self.nbytes} B {state})"

@@ -1,5 +1,6 @@
 """Rematerialization: make evicted values resident again by replaying their missing ancestry forward
-(no recursion: chains are deep), and invalidate recipes whose leaf input is about to be overwritten.
+(no recursion: chains are deep; an offloaded value is one step, its copy back, whatever its
+ancestry), and invalidate recipes whose leaf input is about to be overwritten.
 
 Values recomputed only as inputs of others (their storage is dead: no user tensor holds them) are
 kept in ``rt.cache`` as ordinary evictable values, so restoring a run of neighbours (backward through
@@ -17,6 +18,7 @@ from .records import Record, Slot
 
 _THRASH_FACTOR = 4   # a restore's recomputes per value it could need, before it gives up
 _NESTING_LIMIT = 200  # nested restores (each one: a value released while a restore still needed it)
+_NONE: List[Record] = []
 
 
 class _Budget:
@@ -54,6 +56,9 @@ def _plan(rt, targets: List[Record]) -> List[Record]:
         r = stack.pop()
         if r.id in need or rt.is_available(r):
             continue
+        if r.host is not None:  # copied back from host memory: its ancestors are not needed
+            need[r.id] = r
+            continue
         if r.recipe is None:
             raise RuntimeError(f"pymem: {r.op} output ({r.nbytes} B) is needed again but cannot be "
                                f"recomputed: {r.lost or 'it has no recipe and its storage is gone'}")
@@ -82,7 +87,7 @@ def _replay(rt, targets: List[Record], budget: _Budget, rank_base: int, nesting:
                                f"each for a value released while still needed. Raise the budget.")
     order = _plan(rt, targets)
     n = len(order)
-    inputs_of = [r.recipe.input_records() for r in order]
+    inputs_of = [_NONE if r.host is not None else r.recipe.input_records() for r in order]
     reads = {}  # value id -> [value, positions of the plan's steps that read it, index of the next]
     for i, inputs in enumerate(inputs_of):
         for a in inputs:
@@ -183,7 +188,21 @@ def _fill(template, tensors):
     return template
 
 
+def _swap_in(rt, r: Record) -> None:
+    buf = rt.swap.copy_in(r)
+    sref = r.sref
+    if sref is not None and r.evicted and sref.alive:
+        sref.adopt(buf)
+        r.evicted = False
+        rt.on_rematerialized(r, how="swap in")
+    else:
+        rt.add_cached(r, _C.StorageRef(buf), buf, how="swap in")
+
+
 def _recompute(rt, r: Record) -> None:
+    if r.host is not None:
+        _swap_in(rt, r)
+        return
     rc = r.recipe
     locked = rc.input_records()
     for rec in locked:
@@ -295,7 +314,7 @@ def invalidate_dependents(rt, leaf: Record, why: str) -> None:
             del rt.cache[r]
         r.recipe = None
         r.children = []
-        if not rt.is_available(r):
+        if not rt.is_available(r) and r.host is None:  # a host copy still brings it back
             r.lost = why
         rt.neighbourhood_forget(r)
 

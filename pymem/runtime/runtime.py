@@ -13,13 +13,14 @@ from .. import _C
 from .. import cost_model as _cost_model
 from .. import snapshot as _snap
 from ..errors import OutOfBudgetError
-from ..policies import EvictedNeighbourhood, Policy, get_policy
+from ..policies import Director, EvictedNeighbourhood, Policy, get_director, get_policy
 from . import compaction, remat
 from .hooks import CpuHook, CudaLibHook
 from .native import cap_for
 from .ops import mutated_tensors, op_info
 from .pressure import PressureHandler
 from .records import ArgRef, Recipe, Record, Slot
+from .swap import Swapper
 
 _Tensor = torch.Tensor
 _weakref = weakref.ref
@@ -35,6 +36,10 @@ _NATIVE_RETRIES = 64  # rounds of release-and-retry for one op under the native 
 # A refused allocation: pymem's OutOfBudgetError (its subclass), or the CUDA caching allocator's
 # out-of-memory under allocator="native"'s memory fraction. Either leaves a functional op no trace.
 _Refused = torch.OutOfMemoryError
+_NO_SWAP_STATS = {k: 0 for k in ("num_offloads", "offloaded_bytes", "offload_copied_bytes", "num_swap_ins",
+                                 "swapped_in_bytes", "num_prefetches", "prefetched_bytes",
+                                 "num_prefetches_cancelled", "host_bytes", "host_bytes.peak")}
+_NO_SWAP_STATS["swap_seconds"] = 0.0
 
 
 def _collect(values, out: List[_Tensor]) -> None:
@@ -115,9 +120,13 @@ class Runtime:
     """State of one ``pymem.enable``: arena, records, policy, statistics."""
 
     def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
-                 sampling: bool = False, cost=None, hook=None) -> None:
+                 sampling: bool = False, cost=None, hook=None, offload=None, prefetch: bool = True,
+                 link_bandwidth: Optional[float] = None) -> None:
         """``hook``: how the arena becomes PyTorch's allocator (``hooks.py``); by default the CPU
-        hook on the CPU and libpymem_cuda.so on CUDA."""
+        hook on the CPU and libpymem_cuda.so on CUDA. ``offload``: a director's name
+        (``pymem.policies.director_names()``) or a Director; default ``"delta"`` on CUDA and
+        ``"never"`` on the CPU, where host memory is the very memory the budget caps. ``link_bandwidth``: bytes per second
+        of a copy to or from host memory (default: timed once per process)."""
         if allocator not in ALLOCATORS:
             raise ValueError(f"allocator {allocator!r} is not one of {', '.join(map(repr, ALLOCATORS))}")
         self.device = _check_device(device, allocator)
@@ -126,6 +135,13 @@ class Runtime:
             raise ValueError(f"cost {cost!r} is not one of {', '.join(map(repr, COSTS))} or a pymem.cost_model.CostModel")
         # Settings are checked before the hook's prepare, which on CUDA cannot be undone.
         self.policy: Policy = policy if isinstance(policy, Policy) else get_policy(policy)
+        if offload is None:
+            offload = "never" if self.device.type == "cpu" else "delta"
+        director: Director = offload if isinstance(offload, Director) else get_director(offload)
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+        if link_bandwidth is not None and not (isinstance(link_bandwidth, (int, float)) and link_bandwidth > 0):
+            raise ValueError(f"link_bandwidth must be a positive number of bytes per second, got {link_bandwidth!r}")
         if allocator == "arena":
             self.hook = hook if hook is not None else \
                 CpuHook() if device == "cpu" else CudaLibHook(self.device.index)
@@ -145,10 +161,19 @@ class Runtime:
             self.cost_model: Optional[_cost_model.CostModel] = cost
         else:
             self.cost_model = _cost_model.calibrated(str(self.device)) if cost == "estimate" else None
+        # Only directors read a copy's cost; "never" has no use for the timing.
+        self.link_bandwidth = float(link_bandwidth) if link_bandwidth else \
+            _cost_model.host_link_bandwidth(str(self.device)) if director.name != "never" else float("inf")
         budget -= budget % _C.ALIGNMENT  # the arena's granularity; rounding down keeps the cap hard
         self.budget = budget
         self.allocator = allocator
         self.pressure = PressureHandler(self, sampling)
+        # Offloading needs a buffer it can fill beside compute: the arena's (the native allocator
+        # offers no way to ask whether a request fits without releasing anything).
+        self.swap: Optional[Swapper] = None
+        if director.name != "never":
+            self.swap = Swapper(self, director, self.link_bandwidth, prefetch and allocator == "arena",
+                                headroom=budget // 8)
         if allocator == "arena":
             self.arena = self.hook.make_arena(budget)
             self.can_compact = self.arena.backing != "cuda"  # a CUDA slab's blocks do not move (yet)
@@ -203,6 +228,8 @@ class Runtime:
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
+        if self.swap is not None:
+            self.swap.close()  # copies in flight land in the arena first
         if self.arena is not None:
             self.hook.uninstall()
             self.arena.set_pressure_handler(None)
@@ -257,19 +284,27 @@ class Runtime:
 
     # ------------------------------------------------------------------ release / restore
     def release(self, r: Record) -> None:
-        """Free one value's buffer now (it stays recomputable)."""
+        """Free one value's buffer now: offloaded (a host copy brings it back) if the director says
+        so, else evicted (it stays recomputable)."""
+        cached = self.cache.get(r)
+        s = cached[0] if cached is not None else r.sref
+        swap = self.swap
+        offload = swap is not None and swap.wants_offload(r)
+        if offload:
+            swap.copy_out(r, s)
         history = self._history()
         if history is not None:
-            s = self.cache[r][0] if r in self.cache else r.sref
-            history.label_next_free(s.data_ptr, f"pymem evict {r.op}")
-        if r in self.cache:
-            self.evicted_bytes += r.nbytes
+            history.label_next_free(s.data_ptr, f"pymem {'offload' if offload else 'evict'} {r.op}")
+        if cached is not None:
+            nbytes = r.nbytes
             del self.cache[r]
         else:
-            self.evicted_bytes += r.sref.evict()
+            nbytes = r.sref.evict()
             r.evicted = True
-        self.num_evictions += 1
-        self.mark_gone(r)
+        if not offload:
+            self.evicted_bytes += nbytes
+            self.num_evictions += 1
+            self.mark_gone(r)
 
     def mark_gone(self, r: Record) -> None:
         """r's value left memory (evicted, or its last tensor died): it joins DTR's evicted neighbourhood."""
@@ -277,16 +312,17 @@ class Runtime:
             self.neighbourhood.on_evict(r.id, r.compute_cost, r.neighbour_ids())
             self.gone[r.id] = r
 
-    def add_cached(self, r: Record, sref, tensor) -> None:
+    def add_cached(self, r: Record, sref, tensor, how: str = "rematerialize") -> None:
         self.cache[r] = (sref, tensor)
-        self.on_rematerialized(r, sref)
+        self.on_rematerialized(r, sref, how)
 
-    def on_rematerialized(self, r: Record, sref=None) -> None:
-        """r's value is back, in its own storage or (``sref``) in the recompute cache."""
+    def on_rematerialized(self, r: Record, sref=None, how: str = "rematerialize") -> None:
+        """r's value is back (``how``: rematerialize, swap in, prefetch), in its own storage or
+        (``sref``) in the recompute cache."""
         history = self._history()
         if history is not None:
             s = sref if sref is not None else r.sref
-            history.label_last_alloc(s.data_ptr, f"pymem rematerialize {r.op}")
+            history.label_last_alloc(s.data_ptr, f"pymem {how} {r.op}")
         r.last_access = self.clock
         self.neighbourhood_forget(r)
 
@@ -373,6 +409,7 @@ class Runtime:
                         mut_recs.setdefault(recs[j].id, (recs[j], j))
                 for r, j in mut_recs.values():
                     if r.recipe is None:
+                        r.host = None  # overwritten in place below: a host copy would be stale
                         if r.children:
                             self.num_invalidations += 1
                             remat.invalidate_dependents(self, r, f"{info.name} overwrote an input of its recipe")
@@ -421,6 +458,9 @@ class Runtime:
         for r in recs:
             if r is not None:
                 r.last_access = now
+        swap = self.swap
+        if swap is not None and (swap.offloaded or swap.in_flight):
+            swap.after_op()
 
         refs = targs = tkw = None
         if recomputable and (mut_recs or info.fresh_returns):
@@ -577,4 +617,5 @@ class Runtime:
             "num_leaf_copies": self.num_leaf_copies,
             "num_records": len(self.table),
         })
+        s.update(self.swap.stats() if self.swap is not None else _NO_SWAP_STATS)
         return s

@@ -1,0 +1,259 @@
+"""Offloading: released values copied to host memory and brought back on use (swap-in) or ahead of
+it (prefetch), as the director (``pymem.policies.director``) chooses per value.
+
+A record's value never changes (an in-place op makes a new record), so a host copy stays valid for
+the record's life: the record keeps it (``Record.host``), bringing the value back leaves it in
+place, and releasing the value again copies nothing. Host copies live outside the budget: host
+buffers on the CPU device (outside the arena), pinned memory on CUDA.
+
+Prefetch (DELTA's prefetcher): the backward pass reads offloaded activations in the reverse order of
+their offload, so after each op the newest offloaded value whose storage is still alive comes back
+first, when it fits in the arena without releasing anything and leaves ``headroom`` bytes free. The
+copy runs beside compute: a worker thread on the CPU device, a side stream on CUDA. The value counts
+as evicted until it is adopted: when its copy is done (checked after each op) or when an op needs it
+(then the op waits for the copy). Under pressure, a copy in flight is the last thing given up.
+"""
+import concurrent.futures
+import time
+import weakref
+from typing import Dict, List, Optional
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from .. import _C
+from .records import Record
+
+_perf = time.perf_counter
+_PREFETCH_DEPTH = 2  # copies in flight at most
+
+
+class HostMemory:
+    """Host buffers for copies, outside the budget; counts the bytes they hold."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.pinned = device.type == "cuda"
+        self.bytes = 0
+        self.peak = 0
+
+    def empty(self, nbytes: int) -> torch.Tensor:
+        if self.pinned:  # PyTorch's pinned host cache: no cudaHostAlloc per copy once warm
+            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        else:  # numpy's malloc: the CPU allocator is the arena now
+            t = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
+        self.bytes += nbytes
+        self.peak = max(self.peak, self.bytes)
+        weakref.finalize(t, self._gone, nbytes)
+        return t
+
+    def _gone(self, nbytes: int) -> None:
+        self.bytes -= nbytes
+
+
+class _CpuCopier:
+    """Copies on the CPU device: in the calling thread, or on one worker thread (prefetch)."""
+
+    def __init__(self) -> None:
+        self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def start(self, dst: torch.Tensor, src: torch.Tensor):
+        """Begin ``dst.copy_(src)`` beside compute; returns a handle for ``wait``/``done``. The
+        worker has no dispatch mode of its own (modes are per thread): the copy is not an op."""
+        if self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pymem-prefetch")
+        return self.pool.submit(dst.copy_, src)
+
+    @staticmethod
+    def done(handle) -> bool:
+        return handle.done()
+
+    @staticmethod
+    def wait(handle) -> None:
+        handle.result()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+
+class _CudaCopier:
+    """Copies on CUDA. Out: synchronous (the device buffer is freed right after, and the arena's
+    library cannot see a side stream's use of it). In, on demand: on the compute stream (ordered
+    before every reader). Prefetch: on a side stream after the compute stream's work so far; the
+    compute stream waits for it when the value is adopted."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.side = None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=dst.is_cuda)
+
+    def start(self, dst: torch.Tensor, src: torch.Tensor):
+        if self.side is None:
+            self.side = torch.cuda.Stream(self.device)
+        compute = torch.cuda.current_stream(self.device)  # taken outside the side stream's context
+        self.side.wait_stream(compute)  # dst was allocated (and possibly last used) on compute
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self.side):
+            dst.copy_(src, non_blocking=True)
+            done.record(self.side)
+        return done
+
+    @staticmethod
+    def done(handle) -> bool:
+        return handle.query()
+
+    def wait(self, handle) -> None:
+        torch.cuda.current_stream(self.device).wait_event(handle)
+
+    def close(self) -> None:
+        if self.side is not None:
+            self.side.synchronize()
+
+
+class Swapper:
+    def __init__(self, rt, director, bandwidth: float, prefetch: bool, headroom: int) -> None:
+        self.rt = rt
+        self.director = director
+        self.bandwidth = bandwidth
+        self.prefetch_enabled = prefetch
+        self.headroom = headroom
+        self.host = HostMemory(rt.device)
+        self.copier = _CudaCopier(rt.device) if rt.device.type == "cuda" else _CpuCopier()
+        # Offloaded values, oldest first (weak: one nobody needs any more is not brought back).
+        self.offloaded: List[weakref.ref] = []
+        self.in_flight: Dict[Record, tuple] = {}  # record -> (device buffer, copy handle)
+        self.num_offloads = 0
+        self.offloaded_bytes = 0
+        self.copied_out_bytes = 0
+        self.num_swap_ins = 0
+        self.swapped_in_bytes = 0
+        self.num_prefetches = 0
+        self.prefetched_bytes = 0
+        self.num_prefetches_cancelled = 0
+        self.seconds = 0.0  # the calling thread's time in copies and waits
+
+    # ------------------------------------------------------------------ out
+    def wants_offload(self, r: Record) -> bool:
+        return self.director.evaluate(r, self.rt.clock)
+
+    def copy_out(self, r: Record, sref) -> None:
+        """Give ``r`` a host copy of its value (held in ``sref``), unless it has one."""
+        self.num_offloads += 1
+        self.offloaded_bytes += r.nbytes
+        if r.host is not None:
+            return
+        t0 = _perf()
+        host = self.host.empty(r.nbytes)
+        with _disable_current_modes():  # not an op of the program (pymem.evict runs under the mode)
+            self.copier.copy(host, sref.view(torch.uint8, [r.nbytes], [1], 0))
+        r.host = host
+        self.copied_out_bytes += r.nbytes
+        self.offloaded.append(weakref.ref(r))
+        self.seconds += _perf() - t0
+
+    # ------------------------------------------------------------------ in
+    def copy_in(self, r: Record) -> torch.Tensor:
+        """A device buffer holding r's value (from its host copy): the prefetched one if a copy is
+        in flight, else a new one copied now."""
+        flight = self.in_flight.pop(r, None)
+        t0 = _perf()
+        if flight is not None:
+            buf, handle = flight
+            self.copier.wait(handle)
+            self.num_prefetches += 1
+            self.prefetched_bytes += r.nbytes
+        else:
+            buf = self.rt.allocating(_blank, r.nbytes, self.rt.device)
+            with _disable_current_modes():
+                self.copier.copy(buf, r.host)
+            self.num_swap_ins += 1
+            self.swapped_in_bytes += r.nbytes
+        self.seconds += _perf() - t0
+        return buf
+
+    # ------------------------------------------------------------------ prefetch
+    def after_op(self) -> None:
+        """Adopt finished prefetches; start new ones while they fit. Called after each op that
+        left offloaded values or copies in flight."""
+        if self.in_flight:
+            done = self.copier.done
+            for r in [r for r, (_, h) in self.in_flight.items() if done(h)]:
+                self._adopt(r)
+        if not self.prefetch_enabled:
+            return
+        arena = self.rt.arena
+        stack = self.offloaded
+        while stack and len(self.in_flight) < _PREFETCH_DEPTH:
+            r = stack[-1]()
+            if r is None or not self._worth_prefetching(r):
+                stack.pop()
+                continue
+            if arena.free_bytes_if_fits(r.nbytes) < r.nbytes + self.headroom:
+                return
+            stack.pop()
+            buf = _blank(r.nbytes, self.rt.device)  # fits: no pressure, nothing released for it
+            with _disable_current_modes():
+                self.in_flight[r] = (buf, self.copier.start(buf, r.host))
+
+    def _worth_prefetching(self, r: Record) -> bool:
+        """Offloaded, not back yet, and a tensor still holds its storage (so some later op may read
+        it; a value only recipes need comes back if a recompute asks)."""
+        s = r.sref
+        return r.evicted and r.host is not None and r not in self.in_flight and s is not None and s.alive
+
+    def _adopt(self, r: Record) -> None:
+        buf = self.copy_in(r)
+        rt = self.rt
+        s = r.sref
+        if s is not None and r.evicted and s.alive:
+            s.adopt(buf)
+            r.evicted = False
+            rt.on_rematerialized(r, how="prefetch")
+
+    def cancel_one(self) -> int:
+        """Pressure, and nothing else to release: give up a copy in flight (waits for it). Returns
+        the bytes freed."""
+        if not self.in_flight:
+            return 0
+        r = next(iter(self.in_flight))
+        buf, handle = self.in_flight.pop(r)
+        self.copier.wait(handle)
+        if self.rt.device.type == "cuda":
+            torch.cuda.current_stream(self.rt.device).synchronize()
+        self.num_prefetches_cancelled += 1
+        self.offloaded.append(weakref.ref(r))
+        n = _C.StorageRef(buf).nbytes
+        del buf
+        return n
+
+    def close(self) -> None:
+        """Wait for every copy in flight and adopt it (stop: nothing may write after)."""
+        for r in list(self.in_flight):
+            self._adopt(r)
+        self.copier.close()
+
+    def stats(self) -> dict:
+        return {
+            "num_offloads": self.num_offloads,
+            "offloaded_bytes": self.offloaded_bytes,
+            "offload_copied_bytes": self.copied_out_bytes,
+            "num_swap_ins": self.num_swap_ins,
+            "swapped_in_bytes": self.swapped_in_bytes,
+            "num_prefetches": self.num_prefetches,
+            "prefetched_bytes": self.prefetched_bytes,
+            "num_prefetches_cancelled": self.num_prefetches_cancelled,
+            "swap_seconds": self.seconds,
+            "host_bytes": self.host.bytes,
+            "host_bytes.peak": self.host.peak,
+        }
+
+
+def _blank(nbytes: int, device) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
