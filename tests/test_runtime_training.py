@@ -82,10 +82,9 @@ class _Managed:
         self.enabled = False
         self.rt = None
 
-    def enable(self, budget: int, policy: str = "dtr", allocator: str = "arena", sampling: bool = False,
-               cost=None):
+    def enable(self, budget: int, policy: str = "dtr", **options):
         assert not self.enabled
-        self.rt = pymem.enable(budget=budget, policy=policy, allocator=allocator, sampling=sampling, cost=cost)
+        self.rt = pymem.enable(budget=budget, policy=policy, **options)
         self.enabled = True
         return self.rt
 
@@ -120,12 +119,11 @@ def managed():
         gc.collect()
 
 
-def managed_run(managed, name: str, budget: int, policy: str, allocator: str = "arena", sampling: bool = False,
-                cost=None):
+def managed_run(managed, name: str, budget: int, policy: str, **options):
     """STEPS steps of ``name`` under the budget. Returns (losses, copies, live, stats): ``copies``
     are the parameters and buffers cloned while the runtime was still on (the clones live in the
     arena too), ``live`` the model's own tensors after ``pymem.disable()`` restored them."""
-    managed.enable(budget, policy, allocator, sampling, cost)
+    managed.enable(budget, policy, **options)
     failure = None
     try:
         losses = []

@@ -262,6 +262,7 @@ class Runtime:
         dead.sort(key=_record_id)
         while dead:  # youngest first: one dropped here no longer counts as a live reader of its inputs
             r = dead.pop()
+            r.host = None  # host memory is not kept for a value no tensor holds
             if r.recipe is not None and any(w() is not None for w in r.children):
                 self.mark_gone(r)
         r = None

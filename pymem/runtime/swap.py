@@ -3,7 +3,8 @@ it (prefetch), as the director (``pymem.policies.director``) chooses per value.
 
 A record's value never changes (an in-place op makes a new record), so a host copy stays valid for
 the record's life: the record keeps it (``Record.host``), bringing the value back leaves it in
-place, and releasing the value again copies nothing. Host copies live outside the budget: host
+place, and releasing the value again copies nothing. It goes when no tensor holds the value any
+more (the next sweep: each pressure event starts with one), or when a leaf is written in place. Host copies live outside the budget: host
 buffers on the CPU device (outside the arena), pinned memory on CUDA.
 
 Prefetch (DELTA's prefetcher): the backward pass reads offloaded activations in the reverse order of

@@ -1,0 +1,208 @@
+"""Offloading on the CPU device: released values copied to host buffers outside the arena and
+brought back on use (swap-in) or ahead of it (prefetch, on a worker thread), as the director
+chooses. Training stays bitwise equal and within the budget whatever the mix."""
+import gc
+
+import pytest
+import torch
+
+import pymem
+import runtime_models as rm
+from pymem.policies import director_names, get_director
+from test_runtime_training import budget_for, managed, trained_bitwise_equal  # noqa: F401
+
+MiB = 1 << 20
+
+
+@pytest.mark.parametrize("name,ratio", [(n, r) for n in rm.NAMES for r in (0.5, 0.3)])
+def test_offloading_everything_trains_bitwise_equal_and_never_recomputes(managed, name, ratio):
+    stats = trained_bitwise_equal(managed, name, ratio, offload="always")
+    assert stats["num_offloads"] > 0 and stats["offload_copied_bytes"] > 0, stats
+    assert stats["num_swap_ins"] + stats["num_prefetches"] > 0, stats
+    # Every released value went to host memory, so nothing had to be recomputed.
+    assert stats["num_evictions"] == 0 and stats["num_rematerializations"] == 0, stats
+    assert stats["host_bytes.peak"] > 0
+
+
+def test_prefetch_brings_values_back_ahead_of_use_without_running_ops(managed):
+    on = trained_bitwise_equal(managed, "gpt", 0.5, offload="always")
+    off = trained_bitwise_equal(managed, "gpt", 0.5, offload="always", prefetch=False)
+    assert on["num_prefetches"] > 0 and on["prefetched_bytes"] > 0, on
+    assert off["num_prefetches"] == 0 and off["num_swap_ins"] > 0, off
+    # The worker thread's copies are not ops of the program (dispatch modes are per thread).
+    assert on["num_ops"] == off["num_ops"]
+
+
+def test_delta_mixes_offloads_and_evictions_by_cost(managed):
+    """A link as slow as the cheap ops and faster than the costly ones: both kinds in one run."""
+    stats = trained_bitwise_equal(managed, "gpt", 0.3, offload="delta")
+    fast = stats  # the real link of this machine: host copies are far cheaper than recomputes
+    assert fast["num_offloads"] > 0, fast
+    rt_options = dict(offload="delta")
+    slow = _run_with_bandwidth(managed, "gpt", 0.3, 1e3, **rt_options)  # 1 kB/s: nothing is worth copying
+    assert slow["num_offloads"] == 0 and slow["num_evictions"] > 0, slow
+    mixed = _run_with_bandwidth(managed, "gpt", 0.3, _median_bandwidth("gpt"), **rt_options)
+    assert mixed["num_offloads"] > 0 and mixed["num_evictions"] > 0, mixed
+
+
+def _median_bandwidth(name):
+    """Bytes per second at which half of the gpt's released values would be copied: each value's
+    bytes over its compute cost, measured on a never-offloading run."""
+    from pymem.runtime.runtime import Runtime
+
+    rt = Runtime(budget_for(name, 0.3), offload="never")
+    ratios = []
+    release = rt.release
+
+    def spy(r):
+        ratios.append(r.nbytes / max(r.compute_cost + r.evicted_ancestor_cost, 1e-9))
+        release(r)
+    rt.release = spy
+    rt.start()
+    try:
+        step = rm.trainer(name)
+        step()
+        step()
+    finally:
+        rt.stop()
+    del step
+    gc.collect()
+    ratios.sort()
+    return 2 * ratios[len(ratios) // 2]  # delta offloads when 2 * bytes / bw < cost
+
+
+def _run_with_bandwidth(managed, name, ratio, bandwidth, **options):
+    import pymem.cost_model as cm
+
+    saved = dict(cm._bandwidth)
+    cm._bandwidth["cpu"] = bandwidth
+    try:
+        return trained_bitwise_equal(managed, name, ratio, **options)
+    finally:
+        cm._bandwidth.clear()
+        cm._bandwidth.update(saved)
+
+
+@pytest.fixture
+def rt():
+    r = pymem.enable(8 * MiB, device="cpu", offload="always", prefetch=False)
+    try:
+        yield r
+    finally:
+        pymem.disable()
+
+
+def _grad_input(n):
+    with torch.no_grad():
+        x = torch.arange(float(n))  # a leaf: made under no_grad
+    return x.requires_grad_()
+
+
+def test_a_value_released_again_reuses_its_host_copy(rt):
+    x = _grad_input(1 << 18)  # 1 MiB
+    y = x * 3  # recomputable: a forward op
+    expected = torch.arange(float(1 << 18)) * 3
+    pymem.evict(y)
+    s = pymem.memory_stats()
+    assert s["num_offloads"] == 1 and s["offload_copied_bytes"] == MiB and s["host_bytes"] == MiB
+    assert pymem.is_evicted(y) and repr(rt.table[pymem._C.storage_key(y)]).endswith("offloaded)")
+    assert torch.equal(y.detach() + 0, expected)  # swapped in for the read
+    pymem.evict(y)
+    s = pymem.memory_stats()
+    assert s["num_offloads"] == 2 and s["offload_copied_bytes"] == MiB  # released again: no copy
+    assert s["num_swap_ins"] == 1 and s["num_rematerializations"] == 0
+    assert torch.equal(y.detach() + 0, expected)
+    del y
+    gc.collect()
+    rt.sweep()  # what each new pressure event does first
+    assert pymem.memory_stats()["host_bytes"] == 0  # the copy went with its value
+
+
+def test_an_offloaded_value_comes_back_without_its_evicted_ancestors(rt):
+    x = _grad_input(1 << 16)
+    a = x * 2
+    b = a + 1
+    c = b * b
+    pymem.evict(c)  # offloaded
+    rt.swap.director = get_director("never")
+    pymem.evict(b)  # evicted: recomputing b would need a, which stays resident
+    pymem.evict(a)
+    before = pymem.memory_stats()
+    assert torch.equal(c.detach() + 0, ((torch.arange(float(1 << 16)) * 2 + 1) ** 2))
+    after = pymem.memory_stats()
+    assert after["num_swap_ins"] == before["num_swap_ins"] + 1
+    assert after["num_rematerializations"] == before["num_rematerializations"]  # a and b stay evicted
+    assert pymem.is_evicted(a) and pymem.is_evicted(b)
+
+
+def test_a_prefetch_in_flight_is_given_up_under_pressure():
+    rt = pymem.enable(4 * MiB, device="cpu", offload="always", prefetch=True)
+    try:
+        with torch.no_grad():
+            leaf = torch.ones(MiB // 4)  # 1 MiB that can never be released
+        x = leaf.clone().requires_grad_()
+        a = x + 1  # 1 MiB, recomputable
+        pymem.evict(a)  # offloaded: 2 MiB free
+        rt.swap.headroom = 0
+        s = leaf[:4] * 2  # any op: afterwards the prefetch of `a` starts (it fits)
+        assert rt.swap.in_flight, "the prefetch did not start"
+        # 2.5 MiB: only giving up the prefetch's buffer makes room (x and the leaf stay).
+        big = torch.empty(5 * MiB // 8, dtype=torch.float32)
+        stats = pymem.memory_stats()
+        assert stats["num_prefetches_cancelled"] == 1 and stats["allocated_bytes.peak"] <= 4 * MiB
+        del big
+        assert torch.equal(a.detach() + 0, torch.full((MiB // 4,), 2.0))  # back from its host copy
+        assert torch.equal(s, torch.full((4,), 2.0))
+    finally:
+        pymem.disable()
+
+
+def test_disable_lands_copies_in_flight_and_restores_offloaded_values():
+    rt = pymem.enable(8 * MiB, device="cpu", offload="always", prefetch=True)
+    try:
+        x = _grad_input(1 << 18)
+        a, b = x * 2, x * 5
+        pymem.evict(a)
+        pymem.evict(b)
+        rt.swap.headroom = 0
+        _ = x[:1] + 0  # starts prefetches
+    finally:
+        pymem.disable()
+    assert not pymem._C.storage_is_evicted(a) and not pymem._C.storage_is_evicted(b)
+    assert torch.equal(a.detach(), torch.arange(float(1 << 18)) * 2)
+    assert torch.equal(b.detach(), torch.arange(float(1 << 18)) * 5)
+
+
+def test_offload_and_bring_back_are_labelled_in_the_snapshot(rt):
+    pymem.record_memory_history(True)
+    try:
+        x = _grad_input(1 << 16)
+        y = x.sin()
+        pymem.evict(y)
+        _ = y + 1
+        names = [e["frames"][0]["name"] for e in pymem.memory_snapshot()["device_traces"][0]]
+    finally:
+        pymem.record_memory_history(False)
+    assert "pymem offload aten.sin.default" in names
+    assert "pymem swap in aten.sin.default" in names
+
+
+def test_offload_settings_are_checked(rt):
+    pymem.disable()
+    with pytest.raises(ValueError, match="offload 'sometimes' is not accepted; accepted: None \\(by device\\), "
+                                         "'always', 'delta', 'never'"):
+        pymem.enable(MiB, offload="sometimes")
+    with pytest.raises(ValueError, match="prefetch must be True or False, got 'yes'"):
+        pymem.enable(MiB, prefetch="yes")
+    assert not pymem.is_enabled()
+    assert director_names() == ["always", "delta", "never"]
+
+
+def test_without_offloading_the_swap_stats_are_there_and_zero():
+    with pymem.budget(MiB, device="cpu") as r:  # the CPU default: never
+        assert r.swap is None
+        _ = torch.ones(100) + 1
+    s = pymem.memory_stats()
+    for k in ("num_offloads", "offloaded_bytes", "num_swap_ins", "num_prefetches", "host_bytes.peak"):
+        assert s[k] == 0, k
+    assert "offloads (bytes)" in pymem.memory_summary()
