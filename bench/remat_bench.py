@@ -265,7 +265,7 @@ def managed_block(name, a, budget, warmup, steps, ref_step_s):
     res = {"budget_bytes": budget, "requested_budget_bytes": budget, "infeasible": False}
     progress = []
     t_start = time.perf_counter()
-    pymem.enable(budget, policy=a.policy, device="cpu")
+    pymem.enable(budget, policy=a.policy, device="cpu", offload=a.offload, prefetch=not a.no_prefetch)
     try:
         step = None
         try:
@@ -289,6 +289,10 @@ def managed_block(name, a, budget, warmup, steps, ref_step_s):
                 "evictions_per_step": (_stat(s1, "num_evictions") - _stat(s0, "num_evictions")) / n,
                 "remats_per_step": (_stat(s1, "num_rematerializations") - _stat(s0, "num_rematerializations")) / n,
                 "remat_s_per_step": (_stat(s1, "remat_seconds") - _stat(s0, "remat_seconds")) / n,
+                "offloads_per_step": (_stat(s1, "num_offloads") - _stat(s0, "num_offloads")) / n,
+                "swap_ins_per_step": (_stat(s1, "num_swap_ins") - _stat(s0, "num_swap_ins")) / n,
+                "prefetches_per_step": (_stat(s1, "num_prefetches") - _stat(s0, "num_prefetches")) / n,
+                "host_bytes_peak": _stat(s1, "host_bytes.peak"),
                 "evictions_total": _stat(s1, "num_evictions"),
                 "remats_total": _stat(s1, "num_rematerializations"),
             })
@@ -481,6 +485,7 @@ def fmt_row(key, res, targets):
     return (f"{label:>7} {res['budget_bytes'] / MiB:>9.1f} {res['peak_bytes'] / MiB:>9.1f} "
             f"{res['unmanaged_median_s']:>8.3f} {res['median_s']:>8.3f} {s:>8.3f}x "
             f"{res['evictions_per_step']:>8.1f} {res['remats_per_step']:>8.1f} {res['remat_s_per_step']:>8.3f} "
+            f"{res.get('offloads_per_step', 0):>8.1f} {res.get('prefetches_per_step', 0):>8.1f} "
             f"{'-' if ld is None else f'{ld:.1e}':>8}  {verdict}")
 
 
@@ -491,6 +496,10 @@ def main():
     ap.add_argument("--models", default="transformer,cnn", help="comma-separated: transformer, cnn")
     ap.add_argument("--ratios", help="comma-separated budget / unmanaged peak ratios (default 1.0,0.7,0.5,0.3,0.2)")
     ap.add_argument("--policy", default="dtr")
+    ap.add_argument("--offload", default="never",
+                    help="director: never (the CPU default), delta or always. On the CPU device host copies "
+                         "sit in the same RAM: this measures the machinery and its decisions, not a saving")
+    ap.add_argument("--no-prefetch", action="store_true", help="offloaded values come back only when used")
     ap.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per block")
     ap.add_argument("--steps", type=int, default=8, help="timed steps per block")
@@ -585,7 +594,7 @@ def main():
                                                         if max(mc['loadavg_1m_start'], mc['loadavg_1m_end'])
                                                         > a.threads + 0.5 else ""))
         print(f"{'ratio':>7} {'budgetMiB':>9} {'peakMiB':>9} {'unman s':>8} {'man s':>8} {'slowdown':>9} "
-              f"{'evict/st':>8} {'remat/st':>8} {'remat s':>8} {'loss d':>8}  target")
+              f"{'evict/st':>8} {'remat/st':>8} {'remat s':>8} {'offl/st':>8} {'pref/st':>8} {'loss d':>8}  target")
         for key, res in d["ratios"].items():
             if key != "lowest":
                 print(fmt_row(key, res, tg))
