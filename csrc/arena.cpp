@@ -15,6 +15,7 @@ namespace {
 // Depth of pressure handlers running on this thread. An allocation that finds no fit while its
 // own thread is inside a handler fails at once instead of recursing into the handler.
 thread_local int tls_handler_depth = 0;
+thread_local CostClass tls_allocation_class = CostClass::Costly;
 
 void check_cost(double cost) {
   if (!(cost >= 0.0) || std::isinf(cost))
@@ -229,14 +230,12 @@ size_t Arena::block_size(uintptr_t addr) const {
   return find_allocated_locked(addr, "block_size")->size;
 }
 
-size_t Arena::free_bytes_if_fits(size_t nbytes) const {
-  if (nbytes == 0 || nbytes > budget_) return 0;
-  const size_t rounded = align_up(nbytes);
+CostClass thread_allocation_class() { return tls_allocation_class; }
+void set_thread_allocation_class(CostClass cls) { tls_allocation_class = cls; }
+
+size_t Arena::largest_free_block() const {
   std::lock_guard<std::mutex> lock(mutex_);
-  // The same regions try_allocate_locked would try, in the same order.
-  const bool fits = (rounded <= small_threshold_ && small_->largest_free() >= rounded) ||
-                    main_->largest_free() >= rounded;
-  return fits ? budget_ - stats_.allocated_bytes : 0;
+  return main_->largest_free();
 }
 
 void Arena::set_pressure_handler(PressureHandler handler) {

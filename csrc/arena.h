@@ -63,9 +63,10 @@ class Arena {
   void set_pinned(uintptr_t addr, bool pinned);
   // Size of the allocated block at addr (rounded). Throws InvalidArgument if none.
   size_t block_size(uintptr_t addr) const;
-  // Free bytes if a request of `nbytes` fits now without pressure (so without releasing anything),
-  // else 0. For speculative allocations (prefetch) that must never cause an eviction.
-  size_t free_bytes_if_fits(size_t nbytes) const;
+  // The largest free block of the main region (where requests above small_threshold go). A
+  // speculative allocation (prefetch) asks for less than this minus a margin: it never causes an
+  // eviction, and never takes the arena's last contiguous room.
+  size_t largest_free_block() const;
 
   // Compaction (compact.cpp): slides each listed block (allocated, main region, not pinned) up to
   // the highest address it can reach without passing a block that is not listed, moving its bytes
@@ -135,4 +136,10 @@ std::unique_ptr<Arena> make_arena(const std::string& backing, const ArenaConfig&
 void check_budget(size_t budget);
 // "0x..." for error messages.
 std::string format_address(uintptr_t addr);
+// The placement class of this thread's allocations through the allocator hooks (which cannot pass
+// one): Costly unless the runtime says otherwise around an allocation (prefetch buffers are Cheap:
+// a host copy makes them free to release, so they belong with the cheap blocks).
+CostClass thread_allocation_class();
+void set_thread_allocation_class(CostClass cls);
+
 }  // namespace pymem

@@ -123,6 +123,15 @@ void register_error_translators() {
 
 void bind_arena(py::module_& m) {
   register_error_translators();
+  m.def("set_allocation_class",
+        [](const std::string& cls) {
+          const CostClass previous = thread_allocation_class();
+          set_thread_allocation_class(parse_cost_class(cls));
+          return std::string(previous == CostClass::Cheap ? "cheap" : "costly");
+        },
+        py::arg("cost_class"),
+        "Placement class ('costly' or 'cheap') of this thread's allocations through pymem's allocator hooks; "
+        "returns the previous one.");
   m.def("_set_out_of_budget_error", &set_out_of_budget_class, "Register the class raised when a request cannot be met.");
   m.attr("ALIGNMENT") = kAlignment;
   m.attr("DEFAULT_SMALL_THRESHOLD") = kDefaultSmallThreshold;
@@ -224,8 +233,8 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
       .def("set_pinned", &Arena::set_pinned, py::arg("addr"), py::arg("pinned"),
            "Pinned blocks are never put in a window (e.g. inputs of the running op).")
       .def("block_size", &Arena::block_size, py::arg("addr"))
-      .def("free_bytes_if_fits", &Arena::free_bytes_if_fits, py::arg("nbytes"),
-           "The arena's free bytes if a request of nbytes fits now without pressure, else 0.")
+      .def_property_readonly("largest_free_block", &Arena::largest_free_block,
+                             "The main region's largest free block (bytes).")
       .def("find_window",
            [](Arena& a, long long nbytes) -> py::object {
              Window w = a.find_window(check_size(nbytes, "window size"));

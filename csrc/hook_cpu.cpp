@@ -70,7 +70,7 @@ class ArenaCPUAllocator final : public c10::Allocator {
     TORCH_CHECK(arena, "pymem: the CPU hook is installed without an arena");
     uintptr_t a;
     try {
-      a = arena->allocate(nbytes);
+      a = arena->allocate(nbytes, thread_allocation_class());
     } catch (const OutOfBudget& e) {
       raise_out_of_budget_in_allocator(e);
     }

@@ -140,3 +140,20 @@ def test_training_under_the_hook_is_bitwise_identical():
     assert losses == ref_losses
     assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
     assert arena.stats()["num_allocs"] > 50
+
+
+def test_allocation_class_places_cheap_buffers_at_the_top_of_a_free_block(hooked):
+    """The hooks cannot pass a placement class; the thread's class set around an allocation does
+    (the runtime's prefetch buffers are cheap: they settle away from long-lived costly blocks)."""
+    costly = torch.empty(1 << 20, dtype=torch.uint8)
+    previous = pymem._C.set_allocation_class("cheap")
+    try:
+        cheap = torch.empty(1 << 20, dtype=torch.uint8)
+    finally:
+        assert pymem._C.set_allocation_class(previous) == "cheap"
+    assert previous == "costly"
+    main_top = hooked.base + hooked.budget - hooked.small_region_size
+    assert costly.data_ptr() == hooked.base  # the bottom of the empty arena's one free block
+    assert cheap.data_ptr() == main_top - (1 << 20)  # the top of the same block
+    with pytest.raises(ValueError, match="cost_class must be 'costly' or 'cheap', got 'free'"):
+        pymem._C.set_allocation_class("free")

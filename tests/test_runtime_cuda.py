@@ -54,7 +54,7 @@ def test_native_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic):
     peak = torch.cuda.max_memory_reserved() - base
     torch.cuda.empty_cache()
     budget = base + peak // 2
-    rt = pymem.enable(budget, device="cuda", allocator="native")
+    rt = pymem.enable(budget, device="cuda", allocator="native", offload="never")
     assert rt.cost_model is not None  # the CUDA default: estimates
     losses, params = train()
     stats = pymem.memory_stats()
@@ -67,8 +67,8 @@ def test_native_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic):
 
 ARENA_RUN = textwrap.dedent("""
     import sys, torch, pymem
-    budget, out = int(sys.argv[1]), sys.argv[2]
-    rt = pymem.enable(budget, device="cuda")  # first: before CUDA initialises
+    budget, out, offload = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    rt = pymem.enable(budget, device="cuda", offload=offload)  # first: before CUDA initialises
     assert rt.allocator == "arena" and rt.arena.backing == "cuda"
     from test_runtime_cuda import train
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -81,7 +81,8 @@ ARENA_RUN = textwrap.dedent("""
 """)
 
 
-def test_arena_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic, tmp_path):
+@pytest.mark.parametrize("offload", ["never", "always", "delta"])
+def test_arena_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic, tmp_path, offload):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -89,7 +90,7 @@ def test_arena_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic, tm
     budget = (torch.cuda.max_memory_allocated() - base) // 2 // 512 * 512
     out = str(tmp_path / "arena.pt")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-c", ARENA_RUN, str(budget), out], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", ARENA_RUN, str(budget), out, offload], env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     got = torch.load(out)
@@ -97,5 +98,11 @@ def test_arena_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic, tm
     assert all(torch.equal(a.cpu(), b) for a, b in zip(ref_params, got["params"]))
     stats = got["stats"]
     assert stats["allocated_bytes.peak"] <= stats["budget_bytes"] == budget, stats
-    assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
+    if offload == "never":
+        assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
+    elif offload == "always":  # to pinned host memory and back (prefetched on a side stream)
+        assert stats["num_offloads"] > 0 and stats["num_prefetches"] + stats["num_swap_ins"] > 0, stats
+        assert stats["num_evictions"] == 0 and stats["num_rematerializations"] == 0, stats
+    else:
+        assert stats["num_offloads"] + stats["num_evictions"] > 0, stats
     assert got["after"] == 1000.0

@@ -9,7 +9,8 @@ buffers on the CPU device (outside the arena), pinned memory on CUDA.
 
 Prefetch (DELTA's prefetcher): the backward pass reads offloaded activations in the reverse order of
 their offload, so after each op the newest offloaded value whose storage is still alive comes back
-first, when it fits in the arena without releasing anything and leaves ``headroom`` bytes free. The
+first, when the arena's largest free block holds it with ``headroom`` bytes to spare: nothing is
+released for it, and a contiguous ``headroom`` stays free for the ops to come. The
 copy runs beside compute: a worker thread on the CPU device, a side stream on CUDA. The value counts
 as evicted until it is adopted: when its copy is done (checked after each op) or when an op needs it
 (then the op waits for the copy). Under pressure, a copy in flight is the last thing given up.
@@ -196,10 +197,17 @@ class Swapper:
             if r is None or not self._worth_prefetching(r):
                 stack.pop()
                 continue
-            if arena.free_bytes_if_fits(r.nbytes) < r.nbytes + self.headroom:
+            # Best fit takes the largest free block last: a contiguous headroom stays either way.
+            if arena.largest_free_block < r.nbytes + self.headroom:
                 return
             stack.pop()
-            buf = _blank(r.nbytes, self.rt.device)  # fits: no pressure, nothing released for it
+            # Fits: no pressure, nothing released for it. Placed with the cheap blocks: a host copy
+            # makes it free to release, and long-lived blocks should not settle around it.
+            previous = _C.set_allocation_class("cheap")
+            try:
+                buf = _blank(r.nbytes, self.rt.device)
+            finally:
+                _C.set_allocation_class(previous)
             with _disable_current_modes():
                 self.in_flight[r] = (buf, self.copier.start(buf, r.host))
 
