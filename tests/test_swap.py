@@ -102,7 +102,9 @@ def test_a_value_released_again_reuses_its_host_copy(rt):
     x = _grad_input(1 << 18)  # 1 MiB
     y = x * 3  # recomputable: a forward op
     expected = torch.arange(float(1 << 18)) * 3
+    records = len(rt.table)
     pymem.evict(y)
+    assert len(rt.table) == records  # the host buffer is no tensor of the program: no record, no op
     s = pymem.memory_stats()
     assert s["num_offloads"] == 1 and s["offload_copied_bytes"] == MiB and s["host_bytes"] == MiB
     assert pymem.is_evicted(y) and repr(rt.table[pymem._C.storage_key(y)]).endswith("offloaded)")
@@ -206,3 +208,16 @@ def test_without_offloading_the_swap_stats_are_there_and_zero():
     for k in ("num_offloads", "offloaded_bytes", "num_swap_ins", "num_prefetches", "host_bytes.peak"):
         assert s[k] == 0, k
     assert "offloads (bytes)" in pymem.memory_summary()
+
+
+def test_offloaded_list_stays_bounded_under_steady_pressure(rt):
+    """Prefetch looks only at the newest offloaded values; old entries are pruned, not kept for
+    every step of a long run."""
+    rt.swap.prefetch_enabled = True
+    rt.swap._prune_at = 8
+    x = _grad_input(1 << 14)
+    for i in range(40):
+        y = x * float(i)
+        pymem.evict(y)
+        del y  # its storage dies: no prefetch will ever want it
+    assert len(rt.swap.offloaded) <= 16

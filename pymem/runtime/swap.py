@@ -130,6 +130,7 @@ class Swapper:
         self.copier = _CudaCopier(rt.device) if rt.device.type == "cuda" else _CpuCopier()
         # Offloaded values, oldest first (weak: one nobody needs any more is not brought back).
         self.offloaded: List[weakref.ref] = []
+        self._prune_at = 4096
         self.in_flight: Dict[Record, tuple] = {}  # record -> (device buffer, copy handle)
         self.num_offloads = 0
         self.offloaded_bytes = 0
@@ -149,16 +150,30 @@ class Swapper:
         """Give ``r`` a host copy of its value (held in ``sref``), unless it has one."""
         self.num_offloads += 1
         self.offloaded_bytes += r.nbytes
+        if self.prefetch_enabled:
+            self.offloaded.append(weakref.ref(r))
+            if len(self.offloaded) > self._prune_at:
+                self._prune()
         if r.host is not None:
             return
         t0 = _perf()
-        host = self.host.empty(r.nbytes)
-        with _disable_current_modes():  # not an op of the program (pymem.evict runs under the mode)
+        with _disable_current_modes():  # not ops of the program (pymem.evict runs under the mode)
+            host = self.host.empty(r.nbytes)
             self.copier.copy(host, sref.view(torch.uint8, [r.nbytes], [1], 0))
         r.host = host
         self.copied_out_bytes += r.nbytes
-        self.offloaded.append(weakref.ref(r))
         self.seconds += _perf() - t0
+
+    def _prune(self) -> None:
+        """Drop entries no prefetch will take (dead, back already, storage gone): prefetch only
+        looks at the newest, so under steady pressure the old ones would pile up step after step."""
+        keep = []
+        for w in self.offloaded:
+            r = w()
+            if r is not None and self._worth_prefetching(r):
+                keep.append(w)
+        self.offloaded = keep
+        self._prune_at = max(4096, 2 * len(self.offloaded))
 
     # ------------------------------------------------------------------ in
     def copy_in(self, r: Record) -> torch.Tensor:
