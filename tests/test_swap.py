@@ -221,3 +221,9 @@ def test_offloaded_list_stays_bounded_under_steady_pressure(rt):
         pymem.evict(y)
         del y  # its storage dies: no prefetch will ever want it
     assert len(rt.swap.offloaded) <= 16
+
+
+def test_the_swap_stats_have_the_same_keys_with_or_without_offloading(rt):
+    from pymem.runtime.swap import NO_SWAP_STATS
+
+    assert set(rt.swap.stats()) == set(NO_SWAP_STATS)

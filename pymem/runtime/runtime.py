@@ -20,7 +20,7 @@ from .native import cap_for
 from .ops import mutated_tensors, op_info
 from .pressure import PressureHandler
 from .records import ArgRef, Recipe, Record, Slot
-from .swap import Swapper
+from .swap import NO_SWAP_STATS, Swapper
 
 _Tensor = torch.Tensor
 _weakref = weakref.ref
@@ -36,10 +36,6 @@ _NATIVE_RETRIES = 64  # rounds of release-and-retry for one op under the native 
 # A refused allocation: pymem's OutOfBudgetError (its subclass), or the CUDA caching allocator's
 # out-of-memory under allocator="native"'s memory fraction. Either leaves a functional op no trace.
 _Refused = torch.OutOfMemoryError
-_NO_SWAP_STATS = {k: 0 for k in ("num_offloads", "offloaded_bytes", "offload_copied_bytes", "num_swap_ins",
-                                 "swapped_in_bytes", "num_prefetches", "prefetched_bytes",
-                                 "num_prefetches_cancelled", "host_bytes", "host_bytes.peak")}
-_NO_SWAP_STATS["swap_seconds"] = 0.0
 
 
 def _collect(values, out: List[_Tensor]) -> None:
@@ -618,5 +614,5 @@ class Runtime:
             "num_leaf_copies": self.num_leaf_copies,
             "num_records": len(self.table),
         })
-        s.update(self.swap.stats() if self.swap is not None else _NO_SWAP_STATS)
+        s.update(self.swap.stats() if self.swap is not None else NO_SWAP_STATS)
         return s

@@ -279,5 +279,12 @@ class Swapper:
         }
 
 
+# What stats() reports for a runtime that offloads nothing (offload="never"): the same keys, zero.
+NO_SWAP_STATS = {k: 0 for k in ("num_offloads", "offloaded_bytes", "offload_copied_bytes", "num_swap_ins",
+                                "swapped_in_bytes", "num_prefetches", "prefetched_bytes", "num_prefetches_cancelled",
+                                "host_bytes", "host_bytes.peak")}
+NO_SWAP_STATS["swap_seconds"] = 0.0
+
+
 def _blank(nbytes: int, device) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, device=device)
