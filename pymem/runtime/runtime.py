@@ -121,8 +121,9 @@ class Runtime:
         """``hook``: how the arena becomes PyTorch's allocator (``hooks.py``); by default the CPU
         hook on the CPU and libpymem_cuda.so on CUDA. ``offload``: a director's name
         (``pymem.policies.director_names()``) or a Director; default ``"delta"`` on CUDA and
-        ``"never"`` on the CPU, where host memory is the very memory the budget caps. ``link_bandwidth``: bytes per second
-        of a copy to or from host memory (default: timed once per process)."""
+        ``"never"`` on the CPU, where host memory is the very memory the budget caps.
+        ``link_bandwidth``: bytes per second of a copy to or from host memory (default: timed once
+        per process)."""
         if allocator not in ALLOCATORS:
             raise ValueError(f"allocator {allocator!r} is not one of {', '.join(map(repr, ALLOCATORS))}")
         self.device = _check_device(device, allocator)
