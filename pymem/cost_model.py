@@ -118,13 +118,19 @@ def calibrated(device: str = "cpu") -> CostModel:
     """The device's CostModel, timed on first use and kept for the process (enable/disable cycles
     do not pay for it again). Call it before pymem's allocator is installed: its buffers are
     ordinary PyTorch allocations."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _concrete(device)
     model = _calibrated.get(str(dev))
     if model is None:
         model = _calibrated[str(dev)] = _calibrate(dev)
     return model
+
+
+def _concrete(device: str) -> torch.device:
+    """``device`` with "cuda" pinned to the current device: per-device caches key on it."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def _timer(device: torch.device):
@@ -179,9 +185,7 @@ def host_link_bandwidth(device: str = "cpu") -> float:
     bringing it back costs): timed once per process, like ``calibrated``, before pymem's allocator
     is installed. CUDA: device to pinned host memory. CPU: host to host (the CPU device's "offload"
     copies into host buffers outside the arena)."""
-    dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
+    dev = _concrete(device)
     bw = _bandwidth.get(str(dev))
     if bw is None:
         n = 32 << 20

@@ -35,13 +35,12 @@ def test_prefetch_brings_values_back_ahead_of_use_without_running_ops(managed):
 
 def test_delta_mixes_offloads_and_evictions_by_cost(managed):
     """A link as slow as the cheap ops and faster than the costly ones: both kinds in one run."""
-    stats = trained_bitwise_equal(managed, "gpt", 0.3, offload="delta")
-    fast = stats  # the real link of this machine: host copies are far cheaper than recomputes
+    # The real link of this machine: host copies are far cheaper than recomputes.
+    fast = trained_bitwise_equal(managed, "gpt", 0.3, offload="delta")
     assert fast["num_offloads"] > 0, fast
-    rt_options = dict(offload="delta")
-    slow = _run_with_bandwidth(managed, "gpt", 0.3, 1e3, **rt_options)  # 1 kB/s: nothing is worth copying
+    slow = _run_with_bandwidth(managed, "gpt", 0.3, 1e3, offload="delta")  # 1 kB/s: nothing is worth copying
     assert slow["num_offloads"] == 0 and slow["num_evictions"] > 0, slow
-    mixed = _run_with_bandwidth(managed, "gpt", 0.3, _median_bandwidth("gpt"), **rt_options)
+    mixed = _run_with_bandwidth(managed, "gpt", 0.3, _median_bandwidth("gpt"), offload="delta")
     assert mixed["num_offloads"] > 0 and mixed["num_evictions"] > 0, mixed
 
 

@@ -188,20 +188,9 @@ def _fill(template, tensors):
     return template
 
 
-def _swap_in(rt, r: Record) -> None:
-    buf = rt.swap.copy_in(r)
-    sref = r.sref
-    if sref is not None and r.evicted and sref.alive:
-        sref.adopt(buf)
-        r.evicted = False
-        rt.on_rematerialized(r, how="swap in")
-    else:
-        rt.add_cached(r, _C.StorageRef(buf), buf, how="swap in")
-
-
 def _recompute(rt, r: Record) -> None:
-    if r.host is not None:
-        _swap_in(rt, r)
+    if r.host is not None:  # offloaded: its copy, not its recipe
+        rt.bring_back(r, *rt.swap.copy_in(r))
         return
     rc = r.recipe
     locked = rc.input_records()
@@ -240,17 +229,7 @@ def _recompute(rt, r: Record) -> None:
             rec.locks -= 1
         rt.running.pop()
     kind, i = rc.out
-    result = tensors[i] if kind == "arg" else (out if isinstance(out, torch.Tensor) else _flat(out)[i])
-    sref = r.sref
-    if sref is not None and r.evicted and sref.alive:
-        sref.adopt(result)
-        r.evicted = False
-        rt.on_rematerialized(r)
-    else:
-        ref = _C.StorageRef(result)
-        if ref.nbytes != r.nbytes:
-            raise RuntimeError(f"pymem: recomputing {r.op} gave {ref.nbytes} B, the original held {r.nbytes} B")
-        rt.add_cached(r, ref, result)
+    rt.bring_back(r, tensors[i] if kind == "arg" else (out if isinstance(out, torch.Tensor) else _flat(out)[i]))
 
 
 def _call(rc, args, kwargs):

@@ -310,9 +310,20 @@ class Runtime:
             self.neighbourhood.on_evict(r.id, r.compute_cost, r.neighbour_ids())
             self.gone[r.id] = r
 
-    def add_cached(self, r: Record, sref, tensor, how: str = "rematerialize") -> None:
-        self.cache[r] = (sref, tensor)
-        self.on_rematerialized(r, sref, how)
+    def bring_back(self, r: Record, tensor: _Tensor, how: str = "rematerialize") -> None:
+        """r's value is in ``tensor`` (recomputed, or copied back): moved into r's own storage if a
+        tensor still holds it, else kept in the recompute cache for the recipes that read it."""
+        sref = r.sref
+        if sref is not None and r.evicted and sref.alive:
+            sref.adopt(tensor)
+            r.evicted = False
+            self.on_rematerialized(r, how=how)
+            return
+        ref = _StorageRef(tensor)
+        if ref.nbytes != r.nbytes:
+            raise RuntimeError(f"pymem: {how} {r.op} gave {ref.nbytes} B, the original held {r.nbytes} B")
+        self.cache[r] = (ref, tensor)
+        self.on_rematerialized(r, ref, how)
 
     def on_rematerialized(self, r: Record, sref=None, how: str = "rematerialize") -> None:
         """r's value is back (``how``: rematerialize, swap in, prefetch), in its own storage or

@@ -176,9 +176,9 @@ class Swapper:
         self._prune_at = max(4096, 2 * len(self.offloaded))
 
     # ------------------------------------------------------------------ in
-    def copy_in(self, r: Record) -> torch.Tensor:
-        """A device buffer holding r's value (from its host copy): the prefetched one if a copy is
-        in flight, else a new one copied now."""
+    def copy_in(self, r: Record):
+        """(device buffer holding r's value, how it came): the prefetched one if a copy is in
+        flight ("prefetch"), else a new one copied from the host copy now ("swap in")."""
         flight = self.in_flight.pop(r, None)
         t0 = _perf()
         if flight is not None:
@@ -193,7 +193,7 @@ class Swapper:
             self.num_swap_ins += 1
             self.swapped_in_bytes += r.nbytes
         self.seconds += _perf() - t0
-        return buf
+        return buf, "swap in" if flight is None else "prefetch"
 
     # ------------------------------------------------------------------ prefetch
     def after_op(self) -> None:
@@ -233,13 +233,10 @@ class Swapper:
         return r.evicted and r.host is not None and r not in self.in_flight and s is not None and s.alive
 
     def _adopt(self, r: Record) -> None:
-        buf = self.copy_in(r)
-        rt = self.rt
+        buf, how = self.copy_in(r)
         s = r.sref
-        if s is not None and r.evicted and s.alive:
-            s.adopt(buf)
-            r.evicted = False
-            rt.on_rematerialized(r, how="prefetch")
+        if s is not None and r.evicted and s.alive:  # else no tensor wants it any more: dropped
+            self.rt.bring_back(r, buf, how)
 
     def cancel_one(self) -> int:
         """Pressure, and nothing else to release: give up a copy in flight (waits for it). Returns
@@ -253,9 +250,8 @@ class Swapper:
             torch.cuda.current_stream(self.rt.device).synchronize()
         self.num_prefetches_cancelled += 1
         self.offloaded.append(weakref.ref(r))
-        n = _C.StorageRef(buf).nbytes
         del buf
-        return n
+        return r.nbytes
 
     def close(self) -> None:
         """Wait for every copy in flight and adopt it (stop: nothing may write after)."""
