@@ -46,6 +46,7 @@ def cmd_demo(args) -> int:
 
     import pymem
     from pymem.demo_models import gpt_trainer
+    from pymem.testing import all_bitwise_equal
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     steps = args.steps
@@ -75,7 +76,7 @@ def cmd_demo(args) -> int:
         del step
         st = pymem.memory_stats()
 
-    same = got == ref and all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    same = got == ref and all_bitwise_equal(params, ref_params)
     print(f"  losses (unmanaged): {', '.join(f'{x:.6f}' for x in ref)}")
     print(f"  losses (pymem):     {', '.join(f'{x:.6f}' for x in got)}")
     print(f"  bitwise equal (losses and parameters): {'yes' if same else 'NO'}")

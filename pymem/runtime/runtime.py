@@ -7,7 +7,7 @@ import weakref
 from typing import Dict, List, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from .. import _C
 from .. import cost_model as _cost_model
@@ -19,6 +19,7 @@ from .hooks import CpuHook, CudaLibHook
 from .native import cap_for
 from .ops import mutated_tensors, op_info
 from .pressure import PressureHandler
+from .raw_reads import RawReads
 from .records import ArgRef, Recipe, Record, Slot
 from .swap import NO_SWAP_STATS, Swapper
 
@@ -205,6 +206,7 @@ class Runtime:
         if self.arena is not None:
             self.arena.set_pressure_handler(self.pressure)
         self.mode: Optional[_Mode] = None
+        self.raw_reads = RawReads(self)
         # Tensors on this device are managed; others (the CPU batch of a CUDA run) are left alone.
         self._on_device = operator.attrgetter("is_cpu" if device == "cpu" else "is_cuda")
         self._default_generator = torch.default_generator if device == "cpu" else \
@@ -219,9 +221,11 @@ class Runtime:
             self.native.install()
         self.mode = _Mode(self)
         self.mode.__enter__()
+        self.raw_reads.install()
 
     def stop(self) -> None:
         """Leave the mode, give PyTorch its allocator back, restore every evicted value."""
+        self.raw_reads.uninstall()
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
@@ -352,8 +356,12 @@ class Runtime:
         self.clock += seconds
 
     def evict(self, t: _Tensor) -> None:
-        """Evict ``t``'s storage now (testing and explicit use); it is recomputed on next use."""
-        r = self.table.get(_storage_key(t))
+        """Evict ``t``'s storage now (testing and explicit use); it is recomputed on next use.
+        A storage of no bytes has nothing to free: a no-op."""
+        key = _storage_key(t)
+        r = self.table.get(key)
+        if (r is not None and r.nbytes == 0) or (key and t.untyped_storage().nbytes() == 0):
+            return
         if r is None or r.recipe is None:
             raise ValueError("pymem.evict: this tensor has no recipe (a leaf, or made outside pymem): "
                              "it cannot be evicted")
@@ -361,6 +369,15 @@ class Runtime:
             raise ValueError("pymem.evict: this tensor is an input of a running op")
         if not r.evicted:
             self.release(r)
+
+    def restore_for_read(self, r: Record) -> None:
+        """Bring r's value back for a read outside any op (raw_reads.py). The mode is off meanwhile:
+        the recompute's ops are pymem's, not the program's."""
+        with _disable_current_modes():
+            try:
+                remat.restore(self, [r])
+            except _Refused as e:
+                raise self._restore_error(f"reading {r.op}'s output", [r], e) from None
 
     def is_evicted(self, t: _Tensor) -> bool:
         r = self.table.get(_storage_key(t))

@@ -1,0 +1,27 @@
+"""Checking that a run under pymem computed bitwise what the unmanaged run computed.
+
+``torch.equal`` is not that check: NaN != NaN, so two identical runs whose values hold a NaN (an
+``exp`` that overflowed, ``inf - inf``) compare unequal, and -0.0 == 0.0 hides a difference.
+These helpers compare the bytes themselves.
+"""
+from typing import Iterable
+
+import torch
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach()
+    if t.layout != torch.strided:
+        t = t.to_dense()
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaNs equal when their bits are)."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
+
+
+def all_bitwise_equal(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> bool:
+    """Pairwise bitwise_equal over two sequences of the same length."""
+    a, b = list(a), list(b)
+    return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
