@@ -19,6 +19,7 @@ from .hooks import CpuHook, CudaLibHook
 from .native import cap_for
 from .ops import mutated_tensors, op_info
 from .pressure import PressureHandler
+from .compile_warning import CompileWarning
 from .raw_reads import RawReads
 from .records import ArgRef, Recipe, Record, Slot
 from .swap import NO_SWAP_STATS, Swapper
@@ -207,6 +208,7 @@ class Runtime:
             self.arena.set_pressure_handler(self.pressure)
         self.mode: Optional[_Mode] = None
         self.raw_reads = RawReads(self)
+        self.compile_warning = CompileWarning()
         # Tensors on this device are managed; others (the CPU batch of a CUDA run) are left alone.
         self._on_device = operator.attrgetter("is_cpu" if device == "cpu" else "is_cuda")
         self._default_generator = torch.default_generator if device == "cpu" else \
@@ -222,10 +224,12 @@ class Runtime:
         self.mode = _Mode(self)
         self.mode.__enter__()
         self.raw_reads.install()
+        self.compile_warning.install()
 
     def stop(self) -> None:
         """Leave the mode, give PyTorch its allocator back, restore every evicted value."""
         self.raw_reads.uninstall()
+        self.compile_warning.uninstall()
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None

@@ -1,0 +1,51 @@
+"""torch.compile under pymem: the compiled region runs eagerly through the runtime, and pymem says
+so once (Dynamo itself falls back silently)."""
+import warnings
+
+import pytest
+import torch
+
+import pymem
+from pymem.runtime import compile_warning
+
+pytest.importorskip("torch._dynamo")
+
+
+def test_a_compiled_function_runs_eagerly_under_pymem_with_one_warning(monkeypatch):
+    monkeypatch.setattr(compile_warning, "_warned", False)
+    torch._dynamo.reset()
+
+    @torch.compile(backend="eager")  # Dynamo's skip does not depend on the backend; eager is fast
+    def f(x):
+        return torch.tanh(x) * 2 + 1
+
+    x = torch.randn(64, 64)
+    want = torch.tanh(x) * 2 + 1
+    pymem.enable(budget="32MB", device="cpu")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ops_before = pymem.memory_stats()["num_ops"]
+            got = [f(x) for _ in range(3)]
+            ops = pymem.memory_stats()["num_ops"] - ops_before
+    finally:
+        pymem.disable()
+    ours = [w for w in caught if "pymem: torch.compile" in str(w.message)]
+    assert len(ours) == 1 and issubclass(ours[0].category, RuntimeWarning)
+    assert ops >= 9  # tanh, mul, add per call: pymem saw (and manages) every op
+    assert all(torch.equal(g, want) for g in got)
+
+
+def test_compile_after_disable_compiles_again():
+    torch._dynamo.reset()
+    pymem.enable(budget="32MB", device="cpu")
+    pymem.disable()
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.append(gm)
+        return gm.forward
+
+    f = torch.compile(lambda x: x.sin() + 1, backend=backend)
+    x = torch.randn(16)
+    assert torch.equal(f(x), x.sin() + 1) and len(calls) == 1  # traced: pymem left nothing behind
