@@ -14,6 +14,7 @@ gradient: its reference gradient holds NaN, which ``torch.equal`` reports as a d
 between two unmanaged runs.
 """
 import gc
+import os
 
 import pytest
 import torch
@@ -154,7 +155,8 @@ def unmanaged_peak(program) -> int:
         gc.collect()
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# PYMEM_PROPERTY_EXAMPLES=400 for a longer search than CI's.
+@settings(max_examples=int(os.environ.get("PYMEM_PROPERTY_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=st.lists(step, min_size=1, max_size=25), policy=st.sampled_from(["dtr", "lru", "coop"]),
        allocator=st.sampled_from(["arena", "native"]), sampling=st.booleans(), ratio=st.sampled_from([0.75, 0.5]))
 def test_random_programs_are_bitwise_equal_under_a_tight_budget(program, policy, allocator, sampling, ratio):
