@@ -5,7 +5,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from . import snapshot
+from . import _C, snapshot
 from .budget import parse_budget
 from .cost_model import CostModel
 from .policies import director_names
@@ -165,7 +165,10 @@ def memory_stats() -> dict:
     Always: ``budget_bytes``, ``allocated_bytes.current`` / ``.peak``, ``num_allocs``, ``num_frees``,
     ``allocator`` (``"arena"`` or ``"native"``), ``num_ops``, ``num_evictions``, ``evicted_bytes``,
     ``num_rematerializations``, ``remat_seconds``, ``num_invalidations``, ``num_leaf_copies``,
-    ``num_retries`` (ops run again after a refused allocation), ``num_records``; offloading:
+    ``num_retries`` (ops run again after a refused allocation), ``num_records``,
+    ``num_pinned_storages`` (shared outside torch, or pinned with ``pymem.pin``) and
+    ``num_pins.numpy`` / ``.dlpack`` / ``.shared memory`` / ``.user`` (pins made, by reason; the
+    arena's ``pinned_bytes.current`` counts their bytes); offloading:
     ``num_offloads`` / ``offloaded_bytes`` (values released to host memory; evictions count the
     others), ``offload_copied_bytes`` (copied out: a value released again reuses its copy),
     ``num_swap_ins`` / ``swapped_in_bytes`` (copied back when an op needed them),
@@ -196,6 +199,36 @@ def evict(tensor: torch.Tensor) -> None:
     if _current is None:
         raise RuntimeError("pymem is not enabled")
     _current.evict(tensor)
+
+
+def pin(tensor: torch.Tensor) -> None:
+    """Keep ``tensor``'s storage where it is, with its bytes, until ``unpin``: never released, moved
+    by compaction or offloaded. For memory handed to code pymem cannot see (a C extension keeping
+    ``data_ptr()``); NumPy and DLPack exports are pinned by pymem itself. A storage pymem does not
+    manage is left alone (nothing would release or move it)."""
+    if _current is None:
+        raise RuntimeError("pymem is not enabled")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"pymem.pin takes a tensor, got {type(tensor).__name__}")
+    _current.pin(tensor, "user")
+
+
+def unpin(tensor: torch.Tensor) -> None:
+    """Undo one ``pin`` of ``tensor``'s storage (pins count)."""
+    if _current is not None and isinstance(tensor, torch.Tensor):
+        _current.unpin_key(_C.storage_key(tensor))
+
+
+@contextlib.contextmanager
+def pinned(*tensors: torch.Tensor) -> Iterator[None]:
+    """``with pymem.pinned(a, b):`` — ``pin`` for the block only."""
+    for t in tensors:
+        pin(t)
+    try:
+        yield
+    finally:
+        for t in tensors:
+            unpin(t)
 
 
 def is_evicted(tensor: torch.Tensor) -> bool:

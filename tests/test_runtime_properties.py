@@ -4,10 +4,11 @@ Hypothesis draws short programs over a few tensors: functional ops, in-place ops
 and through views), dropout (of values and of leaves), seeded gathers (``index_select`` of
 ``randint``), matmul, cat of views (along either dimension), broadcast reductions expanded back,
 normalisation, transposed copies, values that overflow (so gradients hold NaN), optimizer-style
-updates of the leaves, explicit evictions, and dropping tensors; then a backward pass. Run once
-plainly and once under a budget that forces evictions (75% or 50% of the program's peak), every
-live tensor and every leaf gradient must be equal bit for bit (NaNs included: ``torch.equal``
-would call two identical NaNs different), and the arena's peak must stay within the budget.
+updates of the leaves, explicit evictions, NumPy views of values (which must keep their bytes),
+and dropping tensors; then a backward pass. Run once plainly and once under a budget that forces
+evictions (75% or 50% of the program's peak), every live tensor and every leaf gradient must be
+equal bit for bit (NaNs included: ``torch.equal`` would call two identical NaNs different), and
+the arena's peak must stay within the budget.
 
 ``test_the_shared_repro_program_is_bitwise_equal`` keeps the program that once looked like a wrong
 gradient: its reference gradient holds NaN, which ``torch.equal`` reports as a difference even
@@ -52,6 +53,7 @@ step = st.one_of(
     st.tuples(st.just("dropout_leaf"), slot, st.integers(0, 1)),
     st.tuples(st.just("leaf_update"), st.integers(0, 1)),
     st.tuples(st.just("evict"), slot),
+    st.tuples(st.just("export"), slot),
     st.tuples(st.just("drop"), slot),
 )
 
@@ -64,6 +66,7 @@ def run(program, managed: bool):
     for w in leaves:
         w.requires_grad_(True)
     xs = [leaves[i % 2] * (i + 1) for i in range(SLOTS)]  # recomputable values
+    exported = []  # (NumPy view of a value, its bytes then): no later step writes a value in place
     for s in program:
         kind = s[0]
         if kind == "binary":
@@ -136,10 +139,15 @@ def run(program, managed: bool):
                 r = pymem.current().table.get(pymem._C.storage_key(xs[s[1]]))
                 if r is not None and r.recipe is not None and not r.evicted and r.locks == 0:
                     pymem.evict(xs[s[1]])
+        elif kind == "export":  # shared with NumPy: pymem must neither free nor move it now
+            view = xs[s[1]].detach().numpy()
+            exported.append((view, view.tobytes()))
         elif kind == "drop":
             xs[s[1]] = leaves[s[1] % 2] + 0.0
     loss = sum((x * (k + 1)).sum() for k, x in enumerate(xs))
     loss.backward()
+    for k, (view, was) in enumerate(exported):
+        assert view.tobytes() == was, f"NumPy view {k} changed under {'pymem' if managed else 'torch'}"
     grads = [w.grad.clone() if w.grad is not None else torch.zeros(0) for w in leaves]  # unused leaf: none
     return [x.detach().clone() for x in xs], grads, [w.detach().clone() for w in leaves]
 

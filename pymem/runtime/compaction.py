@@ -66,7 +66,7 @@ def movable_blocks(rt) -> Dict[int, tuple]:
     out = {}
     for r in rt.table.values():
         s = r.sref
-        if s is None or r.evicted:
+        if s is None or r.evicted or r.pins:  # pinned: someone outside torch holds its address
             continue
         addr = s.data_ptr
         if lo <= addr < hi and addr not in busy:

@@ -75,7 +75,7 @@ class PressureHandler:
         """Every value we may release now: never inputs of a running op (locked); inputs a pending
         recompute waits for only when ``waiting``."""
         for r in self.rt.table.values():
-            if r.recipe is not None and not r.evicted and r.locks == 0 and r.in_arena and \
+            if r.recipe is not None and not r.evicted and r.locks == 0 and r.in_arena and not r.pins and \
                     (waiting or r.waits == 0):
                 yield r, r.sref
         for r, (sref, _) in self.rt.cache.items():
@@ -110,7 +110,7 @@ class PressureHandler:
         arena, now, cost = rt.arena, rt.clock, rt.policy.block_cost
         owners = {}
         for r in rt.table.values():  # owner 0: not releasable; resets the window
-            if r.in_arena and not r.evicted and (r.recipe is None or r.locks or r.waits):
+            if r.in_arena and not r.evicted and (r.recipe is None or r.locks or r.waits or r.pins):
                 addr = r.sref.data_ptr
                 if addr:
                     arena.set_owner(addr, 0, 0.0)

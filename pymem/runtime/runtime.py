@@ -20,7 +20,7 @@ from .native import cap_for
 from .ops import mutated_tensors, op_info
 from .pressure import PressureHandler
 from .compile_warning import CompileWarning
-from .raw_reads import RawReads
+from .raw_access import RawAccess
 from .records import ArgRef, Recipe, Record, Slot
 from .swap import NO_SWAP_STATS, Swapper
 
@@ -204,10 +204,11 @@ class Runtime:
         self.num_invalidations = 0
         self.num_leaf_copies = 0  # overwritten leaves kept aside for their dependents' recipes
         self.num_retries = 0
+        self.pin_counts: Dict[str, int] = {}  # storages pinned, by why (raw_access.py, pymem.pin)
         if self.arena is not None:
             self.arena.set_pressure_handler(self.pressure)
         self.mode: Optional[_Mode] = None
-        self.raw_reads = RawReads(self)
+        self.raw_access = RawAccess(self)
         self.compile_warning = CompileWarning()
         # Tensors on this device are managed; others (the CPU batch of a CUDA run) are left alone.
         self._on_device = operator.attrgetter("is_cpu" if device == "cpu" else "is_cuda")
@@ -223,12 +224,12 @@ class Runtime:
             self.native.install()
         self.mode = _Mode(self)
         self.mode.__enter__()
-        self.raw_reads.install()
+        self.raw_access.install()
         self.compile_warning.install()
 
     def stop(self) -> None:
         """Leave the mode, give PyTorch its allocator back, restore every evicted value."""
-        self.raw_reads.uninstall()
+        self.raw_access.uninstall()
         self.compile_warning.uninstall()
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
@@ -364,8 +365,8 @@ class Runtime:
         A storage of no bytes has nothing to free: a no-op."""
         key = _storage_key(t)
         r = self.table.get(key)
-        if (r is not None and r.nbytes == 0) or (key and t.untyped_storage().nbytes() == 0):
-            return
+        if (r is not None and (r.nbytes == 0 or r.pins)) or (key and t.untyped_storage().nbytes() == 0):
+            return  # nothing to free, or shared outside torch (pinned): it stays
         if r is None or r.recipe is None:
             raise ValueError("pymem.evict: this tensor has no recipe (a leaf, or made outside pymem): "
                              "it cannot be evicted")
@@ -375,13 +376,49 @@ class Runtime:
             self.release(r)
 
     def restore_for_read(self, r: Record) -> None:
-        """Bring r's value back for a read outside any op (raw_reads.py). The mode is off meanwhile:
+        """Bring r's value back for a read outside any op (raw_access.py). The mode is off meanwhile:
         the recompute's ops are pymem's, not the program's."""
         with _disable_current_modes():
             try:
                 remat.restore(self, [r])
             except _Refused as e:
                 raise self._restore_error(f"reading {r.op}'s output", [r], e) from None
+
+    def pin(self, t: _Tensor, reason: str) -> Optional[Record]:
+        """``t``'s storage is shared outside torch: brought back if released, then never released,
+        moved or offloaded until as many ``unpin_key`` calls. None if pymem does not manage it (a
+        storage it never saw: nothing would release or move it anyway)."""
+        r = self.table.get(_storage_key(t))
+        if r is None or not self._on_device(t):
+            return None
+        if r.evicted:
+            self.restore_for_read(r)
+        self._set_pins(r, r.pins + 1)
+        self.pin_counts[reason] = self.pin_counts.get(reason, 0) + 1
+        return r
+
+    def unpin_key(self, key: int) -> None:
+        r = self.table.get(key)
+        if r is not None and r.pins:
+            self._set_pins(r, r.pins - 1)
+
+    def pin_owner_of(self, addr: int, reason: str) -> None:
+        """A storage pymem did not make lies at ``addr`` (a DLPack consumer's tensor on our memory):
+        pin the record whose storage holds that address."""
+        for r in list(self.table.values()):
+            s = r.sref
+            if s is not None and not r.evicted and s.data_ptr <= addr < s.data_ptr + r.nbytes:
+                self._set_pins(r, r.pins + 1)
+                self.pin_counts[reason] = self.pin_counts.get(reason, 0) + 1
+                return
+
+    def _set_pins(self, r: Record, pins: int) -> None:
+        """The arena's block is pinned too: compaction refuses it, and pinned_bytes counts it."""
+        if (r.pins > 0) != (pins > 0) and self.arena is not None and r.sref is not None:
+            addr = r.sref.data_ptr
+            if self.lo <= addr < self.hi:
+                self.arena.set_pinned(addr, pins > 0)
+        r.pins = pins
 
     def is_evicted(self, t: _Tensor) -> bool:
         r = self.table.get(_storage_key(t))
@@ -507,6 +544,7 @@ class Runtime:
                     continue  # a leaf stays a leaf
                 recipe = Recipe(func, targs, tkw, refs, ("arg", j), rng) if in_place_refs is not None else None
                 new = Record(self, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
+                new.pins, r.pins = r.pins, 0  # a pin is the storage's, whichever value it holds
                 r.sref = None  # r is now the old value: no storage, still recomputable by its recipe
                 table[_storage_key(ins[j])] = new
                 if recipe is not None:
@@ -646,6 +684,9 @@ class Runtime:
             "num_invalidations": self.num_invalidations,
             "num_leaf_copies": self.num_leaf_copies,
             "num_records": len(self.table),
+            "num_pinned_storages": sum(1 for r in self.table.values() if r.pins),
         })
+        for reason in ("numpy", "dlpack", "shared memory", "user"):
+            s[f"num_pins.{reason}"] = self.pin_counts.get(reason, 0)
         s.update(self.swap.stats() if self.swap is not None else NO_SWAP_STATS)
         return s

@@ -1,0 +1,109 @@
+"""Memory shared outside torch (NumPy views, DLPack) is never released or moved while shared."""
+import gc
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.dlpack import from_dlpack, to_dlpack  # imported before enable, as a user would
+
+import pymem
+
+
+@pytest.fixture
+def managed():
+    pymem.enable(budget="64MB", device="cpu")
+    try:
+        yield pymem.current()
+    finally:
+        pymem.disable()
+        gc.collect()
+
+
+def test_the_shared_repro_every_sharing_path_keeps_its_bytes(managed):
+    """../shared/repro/shared_storage_after_release.py; its last line expected y untouched by a
+    write through y's own NumPy view, which plain PyTorch does not do either: the view is y's memory."""
+    x = torch.randn(512, 512, requires_grad=True)
+    y = (x * 2).exp()
+    ref = y.detach().clone()
+    as_numpy = y.detach().numpy()
+    via_dlpack = np.from_dlpack(y.detach())
+    torch_via_dlpack = from_dlpack(to_dlpack(y.detach()))
+    pymem.evict(y)  # pinned: it stays
+    others = [torch.full((512, 512), 7.0) for _ in range(20)]  # would reuse freed bytes
+    assert np.array_equal(as_numpy, ref.numpy())
+    assert np.array_equal(via_dlpack, ref.numpy())
+    assert torch.equal(torch_via_dlpack, ref)
+    as_numpy[:] = 0.0
+    assert all(bool((o == 7.0).all()) for o in others)   # nobody else's bytes
+    assert torch.equal(y.detach(), torch.zeros_like(ref))  # y's own, as without pymem
+    assert torch.equal(torch_via_dlpack, torch.zeros_like(ref))
+
+
+def test_the_pin_of_a_numpy_view_ends_with_the_view_and_its_views(managed):
+    x = torch.randn(256, 256, requires_grad=True)
+    y = x * 3
+    a = y.detach().numpy()
+    b = a[10:20]  # a view of the view keeps the pin
+    r = managed.table[pymem._C.storage_key(y)]
+    assert r.pins == 1 and pymem.memory_stats()["num_pinned_storages"] == 1
+    assert pymem.memory_stats()["pinned_bytes.current"] >= r.nbytes  # the arena's block too
+    del a
+    gc.collect()
+    assert r.pins == 1
+    del b
+    gc.collect()
+    assert r.pins == 0 and pymem.memory_stats()["num_pins.numpy"] == 1
+    pymem.evict(y)
+    assert pymem.is_evicted(y)
+
+
+def test_numpy_views_survive_real_pressure_and_compaction():
+    """Under a budget that forces evictions and compaction, exported activations keep their bytes
+    and addresses while every other value comes and goes."""
+    pymem.enable(budget=6 << 20, device="cpu")
+    try:
+        w = torch.randn(256, 256, requires_grad=True)
+        h = torch.randn(256, 256)
+        kept = []
+        for i in range(40):
+            h = torch.tanh(h @ w / 16)
+            if i % 8 == 0:
+                kept.append((h.detach().numpy(), h.detach().clone().numpy().copy(), h.data_ptr()))
+        h.sum().backward()
+        st = pymem.memory_stats()
+        for arr, snap, addr in kept:
+            assert arr.tobytes() == snap.tobytes()
+            assert arr.ctypes.data == addr  # never moved
+        assert st["num_evictions"] > 0 and st["allocated_bytes.peak"] <= st["budget_bytes"]
+    finally:
+        pymem.disable()
+
+
+def test_pin_pinned_and_unpin(managed):
+    x = torch.randn(128, 128, requires_grad=True)
+    y = x * 2
+    with pymem.pinned(y):
+        pymem.evict(y)
+        assert not pymem.is_evicted(y)  # pinned: evict leaves it in place
+    pymem.evict(y)
+    assert pymem.is_evicted(y)
+    pymem.pin(y)  # brings it back first
+    assert not pymem.is_evicted(y) and torch.equal(y, x * 2)
+    pymem.unpin(y)
+    with pytest.raises(TypeError, match="takes a tensor"):
+        pymem.pin([y])
+    assert pymem.memory_stats()["num_pins.user"] == 2
+
+
+def test_an_inplace_op_keeps_the_pin_of_its_storage(managed):
+    x = torch.randn(128, 128, requires_grad=True)
+    y = (x * 2).clone()
+    a = y.detach().numpy()
+    y.mul_(3)  # a new value of the same storage: still shared with a
+    pymem.evict(y)
+    assert not pymem.is_evicted(y) and np.array_equal(a, y.detach().numpy())
+
+
+def test_pin_needs_pymem_enabled():
+    with pytest.raises(RuntimeError, match="not enabled"):
+        pymem.pin(torch.zeros(4))
