@@ -231,6 +231,16 @@ def pinned(*tensors: torch.Tensor) -> Iterator[None]:
             unpin(t)
 
 
+def manage_thread():
+    """``with pymem.manage_thread():`` — the calling thread's ops go through pymem for the block.
+    Threads started after ``enable()`` are managed already; this is for threads that existed before
+    (their allocations count against the budget either way, but pymem can release only the tensors
+    of threads it manages). A no-op context while pymem is not enabled."""
+    if _current is None:
+        return contextlib.nullcontext()
+    return _current.threads.managing()
+
+
 def is_evicted(tensor: torch.Tensor) -> bool:
     """True when ``tensor``'s storage is evicted now (it will be recomputed on its next use)."""
     return _current is not None and _current.is_evicted(tensor)

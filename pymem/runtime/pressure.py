@@ -12,12 +12,19 @@ request. When no segment can hold the request, they fall back to the cheapest wi
 """
 import math
 import random
+import threading
 import time
 
 from ..policies import sample_candidates
 from .compaction import compact_for
 
 _perf = time.perf_counter
+
+
+def _progress(arena) -> tuple:
+    """What the arena counts as the handler's progress (frees, moves)."""
+    s = arena.stats()
+    return s["num_frees"], s["num_moved_blocks"]
 
 
 class PressureHandler:
@@ -34,11 +41,17 @@ class PressureHandler:
         self.seconds = 0.0
 
     def __call__(self, request: int, window) -> None:
-        t0 = _perf()
-        try:
-            self._make_room(request, window)
-        finally:
-            self.seconds += _perf() - t0
+        rt = self.rt
+        with rt.lock:  # any thread may allocate; one handler or op bookkeeping at a time
+            t0 = _perf()
+            unmanaged = threading.get_ident() not in rt.threads.managed
+            before = _progress(rt.arena) if unmanaged else None
+            try:
+                self._make_room(request, window)
+            finally:
+                self.seconds += _perf() - t0
+            if unmanaged and _progress(rt.arena) == before:
+                rt.threads.check_current(request)
 
     def _make_room(self, request: int, window) -> None:
         rt = self.rt

@@ -48,14 +48,17 @@ class RawAccess:
         """Brings ``t``'s value back if the runtime released it; inside a save, holds it."""
         rt = self.rt
         key = _storage_key(t) if isinstance(t, _Tensor) else 0
-        r = rt.table.get(key) if key else None
-        if r is None:
+        if not key:
             return
-        if r.evicted:
-            rt.restore_for_read(r)
-        if self._held is not None:
-            r.locks += 1
-            self._held.append(r)
+        with rt.lock:
+            r = rt.table.get(key)
+            if r is None:
+                return
+            if r.evicted:
+                rt.restore_for_read(r)
+            if self._held is not None:
+                r.locks += 1
+                self._held.append(r)
 
     def export(self, t, reason: str, result=None) -> None:
         """``t``'s storage leaves torch's sight: pinned until ``result`` dies (when given and

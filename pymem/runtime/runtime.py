@@ -2,6 +2,7 @@
 TorchDispatchMode that records every aten op's outputs, restores evicted inputs before an op runs,
 and lets the policy release values when the arena is under pressure."""
 import operator
+import threading
 import time
 import weakref
 from typing import Dict, List, Optional
@@ -21,6 +22,7 @@ from .ops import mutated_tensors, op_info
 from .pressure import PressureHandler
 from .compile_warning import CompileWarning
 from .raw_access import RawAccess
+from .threads import ThreadCoverage
 from .records import ArgRef, Recipe, Record, Slot
 from .swap import NO_SWAP_STATS, Swapper
 
@@ -30,6 +32,7 @@ _storage_key = _C.storage_key
 _StorageRef = _C.StorageRef
 _alias = _C.alias_tensor
 _perf = time.perf_counter
+_get_ident = threading.get_ident
 _grad_enabled = torch.is_grad_enabled
 _SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its recipe up to this size
 ALLOCATORS = ("arena", "native")
@@ -86,6 +89,17 @@ def _template(values, counter: List[int]) -> list:
     return out
 
 
+def _unlist(running: List[list], entry: list) -> None:
+    """Takes ``entry`` out of ``running``: the last one, unless another thread's op started meanwhile."""
+    if running and running[-1] is entry:
+        running.pop()
+        return
+    for i in range(len(running) - 1, -1, -1):
+        if running[i] is entry:
+            del running[i]
+            return
+
+
 def _check_device(device: str, allocator: str) -> torch.device:
     """The runtime's device: the CPU, or one CUDA device. Under allocator="native", "cuda" is fixed
     to the current device here; under the arena that waits until the arena's hook has replaced
@@ -106,12 +120,22 @@ def _check_device(device: str, allocator: str) -> torch.device:
 
 
 class _Mode(TorchDispatchMode):
+    """One per thread (a mode's enter/exit state is per instance). After ``disable`` a thread that
+    still has it passes ops straight through."""
+
     def __init__(self, rt: "Runtime") -> None:
         super().__init__()
         self.rt = rt
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return self.rt.run_op(func, args, kwargs)
+        rt = self.rt
+        if not rt.active:
+            return func(*args, **(kwargs or {}))
+        ident = _get_ident()
+        if ident not in rt.threads.managed:  # the autograd engine's threads inherit the mode
+            rt.threads.seen(ident)
+        with rt.lock:
+            return rt.run_op(func, args, kwargs)
 
 
 class Runtime:
@@ -208,6 +232,11 @@ class Runtime:
         if self.arena is not None:
             self.arena.set_pressure_handler(self.pressure)
         self.mode: Optional[_Mode] = None
+        self.active = False
+        # Bookkeeping of every thread's ops, and the pressure handler, run under this lock; a kernel
+        # runs without it (_kernel), its inputs locked and listed in `running`.
+        self.lock = threading.RLock()
+        self.threads = ThreadCoverage(self, lambda: _Mode(self))
         self.raw_access = RawAccess(self)
         self.compile_warning = CompileWarning()
         # Tensors on this device are managed; others (the CPU batch of a CUDA run) are left alone.
@@ -224,11 +253,15 @@ class Runtime:
             self.native.install()
         self.mode = _Mode(self)
         self.mode.__enter__()
+        self.active = True
+        self.threads.install()
         self.raw_access.install()
         self.compile_warning.install()
 
     def stop(self) -> None:
         """Leave the mode, give PyTorch its allocator back, restore every evicted value."""
+        self.active = False  # other threads' modes pass through from now on
+        self.threads.uninstall()
         self.raw_access.uninstall()
         self.compile_warning.uninstall()
         if self.mode is not None:
@@ -241,10 +274,11 @@ class Runtime:
             self.arena.set_pressure_handler(None)
         else:
             self.native.uninstall()
-        evicted = [r for r in self.table.values() if r.evicted and r.sref.alive]
-        remat.restore(self, evicted)
-        self.table.clear()
-        self.cache.clear()
+        with self.lock:  # an op another thread has in flight finishes its bookkeeping first
+            evicted = [r for r in self.table.values() if r.evicted and r.sref.alive]
+            remat.restore(self, evicted)
+            self.table.clear()
+            self.cache.clear()
 
     # ------------------------------------------------------------------ records
     def _new_record(self, t: _Tensor, key: int, cost: float, recipe, op: str) -> Record:
@@ -363,6 +397,10 @@ class Runtime:
     def evict(self, t: _Tensor) -> None:
         """Evict ``t``'s storage now (testing and explicit use); it is recomputed on next use.
         A storage of no bytes has nothing to free: a no-op."""
+        with self.lock:
+            self._evict(t)
+
+    def _evict(self, t: _Tensor) -> None:
         key = _storage_key(t)
         r = self.table.get(key)
         if (r is not None and (r.nbytes == 0 or r.pins)) or (key and t.untyped_storage().nbytes() == 0):
@@ -378,7 +416,7 @@ class Runtime:
     def restore_for_read(self, r: Record) -> None:
         """Bring r's value back for a read outside any op (raw_access.py). The mode is off meanwhile:
         the recompute's ops are pymem's, not the program's."""
-        with _disable_current_modes():
+        with self.lock, _disable_current_modes():
             try:
                 remat.restore(self, [r])
             except _Refused as e:
@@ -388,6 +426,10 @@ class Runtime:
         """``t``'s storage is shared outside torch: brought back if released, then never released,
         moved or offloaded until as many ``unpin_key`` calls. None if pymem does not manage it (a
         storage it never saw: nothing would release or move it anyway)."""
+        with self.lock:
+            return self._pin(t, reason)
+
+    def _pin(self, t: _Tensor, reason: str) -> Optional[Record]:
         r = self.table.get(_storage_key(t))
         if r is None or not self._on_device(t):
             return None
@@ -398,13 +440,18 @@ class Runtime:
         return r
 
     def unpin_key(self, key: int) -> None:
-        r = self.table.get(key)
-        if r is not None and r.pins:
-            self._set_pins(r, r.pins - 1)
+        with self.lock:
+            r = self.table.get(key)
+            if r is not None and r.pins:
+                self._set_pins(r, r.pins - 1)
 
     def pin_owner_of(self, addr: int, reason: str) -> None:
         """A storage pymem did not make lies at ``addr`` (a DLPack consumer's tensor on our memory):
         pin the record whose storage holds that address."""
+        with self.lock:
+            self._pin_owner_of(addr, reason)
+
+    def _pin_owner_of(self, addr: int, reason: str) -> None:
         for r in list(self.table.values()):
             s = r.sref
             if s is not None and not r.evicted and s.data_ptr <= addr < s.data_ptr + r.nbytes:
@@ -496,7 +543,7 @@ class Runtime:
             handled = pressure.seconds
             t0 = _perf()
             try:
-                out = func(*args, **kwargs)
+                out = self._kernel(func, args, kwargs)
             except _Refused as e:
                 if info.mutated or not info.pure:  # it may have written before it ran out
                     raise self._run_error(info.name, recs, e) from None
@@ -514,8 +561,7 @@ class Runtime:
             elif rng is not None:  # the state tensor lives in the arena: let compaction move it
                 self._new_record(rng[1], _storage_key(rng[1]), 0.0, None, "rng state")
         finally:
-            if self.running and self.running[-1] is recs:
-                self.running.pop()
+            _unlist(self.running, recs)
             for r in recs:
                 if r is not None:
                     r.locks -= 1
@@ -577,6 +623,22 @@ class Runtime:
             if recipe is not None:
                 self._link(recs, new)
         return out
+
+    def _kernel(self, func, args, kwargs):
+        """The op itself, with the runtime's lock released so that other threads' ops proceed. Its
+        inputs are locked (never released) and in `running` (never moved) meanwhile; its outputs
+        are blocks no record owns yet, which nothing releases or moves either."""
+        lock = self.lock
+        lock.release()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            lock.acquire()
+
+    def mode_on_this_thread(self) -> bool:
+        """True when this thread's dispatch mode stack holds one of this runtime's modes."""
+        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+        return any(isinstance(m, _Mode) and m.rt is self for m in _get_current_dispatch_mode_stack())
 
     def run_again(self, func, args, kwargs, e: OutOfBudgetError, rng=None):
         """``func`` (functional: its partial outputs died with the exception, it left no trace) ran
@@ -685,6 +747,7 @@ class Runtime:
             "num_leaf_copies": self.num_leaf_copies,
             "num_records": len(self.table),
             "num_pinned_storages": sum(1 for r in self.table.values() if r.pins),
+            "num_managed_threads": len(self.threads.managed),
         })
         for reason in ("numpy", "dlpack", "shared memory", "user"):
             s[f"num_pins.{reason}"] = self.pin_counts.get(reason, 0)

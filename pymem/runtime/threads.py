@@ -1,0 +1,77 @@
+"""Every thread of the process under one runtime.
+
+A TorchDispatchMode is thread-local: entering it on the thread that calls ``enable()`` leaves the
+ops of every other thread unseen, while the arena (the process's allocator) still caps their
+tensors. So while the runtime is active, each thread that starts gets the mode for its whole run
+(``threading.Thread._bootstrap_inner``, which every Thread, ThreadPoolExecutor worker included,
+runs first). A thread that already existed cannot be reached from outside: its code can enter
+``pymem.manage_thread()``; until then, an allocation of its that the pressure handler cannot make
+room for fails with an error that names the thread. pymem's own workers (``pymem-*``: the prefetch
+copier) stay outside: their copies are not ops.
+
+Threads that ran an op through the mode (the autograd engine's, which inherit the mode with the
+rest of the thread-local state) count as managed from their first op.
+"""
+import contextlib
+import threading
+from typing import Iterator, Set
+
+_OWN_PREFIX = "pymem-"
+
+
+class ThreadCoverage:
+    """Managed threads of one runtime, and the start-up hook that manages new ones."""
+
+    def __init__(self, rt, make_mode) -> None:
+        self.rt = rt
+        self._make_mode = make_mode  # a new dispatch mode for one thread
+        self.managed: Set[int] = set()
+        self._original = None
+
+    def install(self) -> None:
+        self.managed.add(threading.get_ident())
+        original = threading.Thread._bootstrap_inner
+        coverage = self
+
+        def _bootstrap_inner(thread):
+            if thread.name.startswith(_OWN_PREFIX) or not coverage.rt.active:
+                return original(thread)
+            with coverage.managing():
+                return original(thread)
+
+        self._original = original
+        threading.Thread._bootstrap_inner = _bootstrap_inner
+
+    def uninstall(self) -> None:
+        if self._original is not None:
+            threading.Thread._bootstrap_inner = self._original
+            self._original = None
+
+    @contextlib.contextmanager
+    def managing(self) -> Iterator[None]:
+        """The calling thread's ops go through the runtime for the block."""
+        ident = threading.get_ident()
+        if ident in self.managed and self.rt.mode_on_this_thread():
+            yield
+            return
+        mode = self._make_mode()
+        self.managed.add(ident)
+        with mode:
+            yield
+
+    def seen(self, ident: int) -> None:
+        self.managed.add(ident)
+
+    def check_current(self, request: int) -> None:
+        """Called when the pressure handler could not make room: an unmanaged thread gets an error
+        that says why, instead of the arena's "released nothing"."""
+        ident = threading.get_ident()
+        if ident in self.managed:
+            return
+        from ..errors import OutOfBudgetError
+        name = threading.current_thread().name
+        raise OutOfBudgetError(
+            f"pymem: thread {name!r} (ident {ident}) allocates {request} B under pymem's budget of "
+            f"{self.rt.budget} B, but pymem does not manage that thread: it started before pymem.enable(), "
+            f"so its tensors are not tracked and none of them can be released. Start the thread after "
+            f"pymem.enable() (or set PYMEM_BUDGET), or run its work inside `with pymem.manage_thread():`.")

@@ -1,0 +1,162 @@
+"""Every thread under one runtime: a worker thread trains as the main thread does, two threads
+train under one budget, a thread that existed before enable() gets an error that names it (and
+works inside ``pymem.manage_thread()``), and heavy pressure from two threads corrupts nothing."""
+import gc
+import threading
+
+import pytest
+import torch
+
+import pymem
+import runtime_models as rm
+from pymem.testing import all_bitwise_equal
+
+STEPS = 3
+
+
+def _in_thread(fn, name="trainer"):
+    out, errors = [], []
+
+    def body():
+        try:
+            out.append(fn())
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller)
+            errors.append(e)
+
+    t = threading.Thread(target=body, name=name)
+    t.start()
+    t.join(120)
+    assert not t.is_alive(), "the thread did not finish"
+    if errors:
+        raise errors[0]
+    return out[0]
+
+
+def _budget(name, ratio):
+    return int(ratio * rm.unmanaged_peak(name, STEPS)) // 512 * 512
+
+
+def test_a_worker_thread_trains_bitwise_with_evictions():
+    want = rm.run("gpt", STEPS)  # main thread, unmanaged
+    pymem.enable(_budget("gpt", 0.4), device="cpu")
+    try:
+        got = _in_thread(lambda: rm.run("gpt", STEPS))
+        st = pymem.memory_stats()
+    finally:
+        pymem.disable()
+        gc.collect()
+    assert got[0] == want[0] and all_bitwise_equal(got[1], want[1])
+    assert st["num_evictions"] > 0 and st["allocated_bytes.peak"] <= st["budget_bytes"]
+    assert st["num_managed_threads"] >= 2
+
+
+def test_two_threads_train_two_models_under_one_budget():
+    """No dropout in either model: the default generator is shared by threads, so only RNG-free
+    steps give the same values whatever the interleaving."""
+    want = {name: rm.run(name, STEPS) for name in ("mlp", "views")}
+    budget = (_budget("mlp", 0.6) + _budget("views", 0.6)) // 512 * 512
+    got, errors = {}, []
+    barrier = threading.Barrier(2)
+
+    def train(name, step):
+        try:
+            barrier.wait()
+            losses = [step() for _ in range(STEPS)]
+            got[name] = (losses, [p.detach().clone() for p in step.model.parameters()])
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    pymem.enable(budget, device="cpu")
+    try:
+        # Built one after the other: initialisation draws from the shared default generator.
+        threads = [threading.Thread(target=train, args=(n, rm.trainer(n))) for n in want]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        st = pymem.memory_stats()
+    finally:
+        pymem.disable()
+        gc.collect()
+    assert not errors, errors
+    for name in want:
+        assert got[name][0] == want[name][0], name
+        assert all_bitwise_equal(got[name][1], want[name][1]), name
+    assert st["num_evictions"] > 0 and st["allocated_bytes.peak"] <= st["budget_bytes"]
+
+
+def _tanh_chain_grad():
+    x = torch.randn(256, 1024, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    h = x
+    for _ in range(16):
+        h = torch.tanh(h) * 1.5
+    h.sum().backward()
+    return x.grad.clone()
+
+
+def test_a_thread_started_before_enable_gets_an_error_naming_it_then_manage_thread_works():
+    want = _tanh_chain_grad()
+    go = threading.Event()
+    results = []
+
+    def old_thread():
+        go.wait(30)
+        try:
+            keep = [torch.randn(256, 1024) for _ in range(16)]  # 16 MiB: twice the budget, untracked
+            results.append(("ok", len(keep)))
+        except pymem.OutOfBudgetError as e:
+            results.append(("error", str(e)))
+        with pymem.manage_thread():  # now its values are tracked, and releasable (16 MiB of them)
+            results.append(("managed", _tanh_chain_grad(), pymem.memory_stats()["num_evictions"]))
+
+    t = threading.Thread(target=old_thread, name="loader-7")
+    t.start()
+    pymem.enable(8 << 20, device="cpu")
+    try:
+        go.set()
+        t.join(60)
+    finally:
+        pymem.disable()
+        gc.collect()
+    kind, msg = results[0]
+    assert kind == "error" and "'loader-7'" in msg and "pymem.manage_thread()" in msg
+    assert "released nothing" not in msg
+    kind, grad, evictions = results[1]
+    assert kind == "managed" and evictions > 0 and all_bitwise_equal([grad], [want])
+
+
+def test_two_threads_under_heavy_pressure_compute_the_right_values():
+    def chain(seed):
+        g = torch.Generator().manual_seed(seed)
+        w = torch.randn(128, 128, generator=g, requires_grad=True)
+        h = torch.randn(128, 128, generator=g)
+        for _ in range(60):
+            h = torch.tanh(h @ w / 12)
+        h.sum().backward()
+        return h.detach().clone(), w.grad.clone()
+
+    want = [chain(s) for s in (1, 2)]
+    got, errors = [None, None], []
+
+    def run(i):
+        try:
+            for _ in range(3):
+                got[i] = chain(i + 1)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    pymem.enable(5 << 20, device="cpu")  # about a quarter of what the two chains hold
+    try:
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        st = pymem.memory_stats()
+    finally:
+        pymem.disable()
+        gc.collect()
+    assert not errors, errors
+    for (h, g), (wh, wg) in zip(got, want):
+        assert all_bitwise_equal([h, g], [wh, wg])
+    assert st["num_evictions"] > 0 and st["allocated_bytes.peak"] <= st["budget_bytes"]
