@@ -117,5 +117,8 @@ setup(
     entry_points={"console_scripts": ["pymem = pymem.cli:main"]},
     python_requires=">=3.9",
     install_requires=["torch", "numpy"],
+    # CuPy sharing the budget (pymem/cupy.py). CuPy's wheels are named by CUDA major version; this
+    # extra names CUDA 13's: with CUDA 12, install cupy-cuda12x yourself instead.
+    extras_require={"cupy": ["cupy-cuda13x"]},
     zip_safe=False,
 )

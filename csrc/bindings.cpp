@@ -39,6 +39,11 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
         "Route CPU allocations to C functions with CUDAPluggableAllocator's signatures (addresses): "
         "runs libpymem_cuda.so on CPU tensors, over a fake CUDA table, in tests.");
   m.def("uninstall_pluggable_cpu_hook", &pymem::uninstall_pluggable_cpu_hook);
+  // Without the GIL, as PyTorch calls its allocator: the pressure handler takes it when it runs.
+  m.def("call_pluggable_alloc", &pymem::call_pluggable_alloc, py::arg("alloc_fn"), py::arg("nbytes"),
+        py::arg("device"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        "alloc_fn(nbytes, device, stream) (libpymem_cuda.so's pymem_cuda_alloc, by address): a block "
+        "provider's refusal raises pymem.OutOfBudgetError; 0 when the library refuses by itself.");
   m.def("install_budget_hook", &pymem::install_budget_hook, py::arg("budget"),
         "allocator='native': keep PyTorch's CPU allocator, but refuse (OutOfBudgetError) any request "
         "that would hold more than `budget` bytes. Installing again changes the budget.");

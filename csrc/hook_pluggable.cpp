@@ -109,4 +109,10 @@ void uninstall_pluggable_cpu_hook() {
   g_alloc.store(nullptr, std::memory_order_release);
 }
 
+uintptr_t call_pluggable_alloc(uintptr_t alloc_fn, size_t nbytes, int device, uintptr_t stream) {
+  if (!alloc_fn) throw InvalidArgument("call_pluggable_alloc needs an alloc function");
+  void* p = reinterpret_cast<AllocFn>(alloc_fn)(static_cast<ssize_t>(nbytes), device, reinterpret_cast<void*>(stream));
+  return reinterpret_cast<uintptr_t>(p);
+}
+
 }  // namespace pymem

@@ -26,4 +26,9 @@ void install_pluggable_cpu_hook(uintptr_t alloc_fn, uintptr_t free_fn);
 // Gives PyTorch back the allocator it had; tensors made meanwhile are still freed through free_fn.
 void uninstall_pluggable_cpu_hook();
 
+// alloc_fn(nbytes, device, stream) called from C++, for Python callers (CuPy's allocator,
+// pymem/cupy.py): a block provider's refusal is thrown through the library, which ctypes cannot
+// carry, and arrives here as pymem.OutOfBudgetError. Returns 0 when the library refuses by itself.
+uintptr_t call_pluggable_alloc(uintptr_t alloc_fn, size_t nbytes, int device, uintptr_t stream);
+
 }  // namespace pymem

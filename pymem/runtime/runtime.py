@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 
 from .. import _C
 from .. import cost_model as _cost_model
+from .. import cupy as _cupy
 from .. import snapshot as _snap
 from ..errors import OutOfBudgetError
 from ..policies import Director, EvictedNeighbourhood, Policy, get_director, get_policy
@@ -249,6 +250,7 @@ class Runtime:
         if self.arena is not None:
             _snap.attach(self.arena)
             self.hook.install(self.arena)
+            _cupy.attach(self)  # on CUDA, CuPy (when installed) allocates from the arena too
         else:
             self.native.install()
         self.mode = _Mode(self)
@@ -270,6 +272,7 @@ class Runtime:
         if self.swap is not None:
             self.swap.close()  # copies in flight land in the arena first
         if self.arena is not None:
+            _cupy.detach(self)  # CuPy gets its own allocator back
             self.hook.uninstall()
             self.arena.set_pressure_handler(None)
         else:
@@ -752,4 +755,5 @@ class Runtime:
         for reason in ("numpy", "dlpack", "shared memory", "user"):
             s[f"num_pins.{reason}"] = self.pin_counts.get(reason, 0)
         s.update(self.swap.stats() if self.swap is not None else NO_SWAP_STATS)
+        s.update(_cupy.stats(self))
         return s
