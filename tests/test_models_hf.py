@@ -88,6 +88,7 @@ def _vit_tiny_batch(tf):
 
 
 MODELS = {"gpt2": _gpt2, "bert": _bert, "llama": _llama, "vit": _vit, "resnet": _resnet}
+WITH_DROPOUT = ("gpt2", "bert", "vit")
 
 
 def workload(name):
@@ -122,9 +123,26 @@ def measured(name):
     return _MEASURED[name]
 
 
+@pytest.fixture
+def seeded_recomputes(monkeypatch):
+    """The ops of every recompute that replayed a generator state (dropout's bernoulli_, randn ...)."""
+    from pymem.runtime import remat
+
+    seen = []
+    call = remat._call
+
+    def counting(rc, args, kwargs):
+        if rc.rng is not None:
+            seen.append(str(rc.func))
+        return call(rc, args, kwargs)
+
+    monkeypatch.setattr(remat, "_call", counting)
+    return seen
+
+
 def test_dropout_is_on():
     """Guards the workloads: dropout really runs (training mode, p > 0) where the docstring says so."""
-    for name in ("gpt2", "bert", "vit"):
+    for name in WITH_DROPOUT:
         torch.manual_seed(0)
         model, _ = MODELS[name](transformers)
         model.train()
@@ -134,7 +152,7 @@ def test_dropout_is_on():
 
 @pytest.mark.parametrize("ratio", RATIOS)
 @pytest.mark.parametrize("name", list(MODELS))
-def test_hf_model_trains_bitwise_under_budget(name, ratio, record_property):
+def test_hf_model_trains_bitwise_under_budget(name, ratio, record_property, seeded_recomputes):
     peak, resident, (ref_losses, ref_state, ref_s) = measured(name)
     budget = budget_at(peak, ratio)
     # Every config here is shaped so that the leaves fit with room to recompute; were that to change,
@@ -145,6 +163,8 @@ def test_hf_model_trains_bitwise_under_budget(name, ratio, record_property):
     assert_bitwise_equal(f"{name} at {ratio}: parameters and buffers", ref_state, state)
     assert_within_budget(stats, budget)
     assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
+    if name in WITH_DROPOUT:  # dropout masks were recomputed, from the generator state they first used
+        assert any("bernoulli" in op for op in seeded_recomputes), seeded_recomputes
     record_property("slowdown", round(seconds / ref_s, 2))
     record_property("num_evictions", stats["num_evictions"])
 
