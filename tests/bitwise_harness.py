@@ -6,7 +6,8 @@ model, optimizer and batch (so under pymem every one of them lives in the arena)
 training step (or one forward pass) and returns what must match: a tensor, or a list/tuple of them
 (detached copies). ``step.model`` is the model; its parameters and buffers are compared too.
 
-Comparison is on raw bytes (``view(torch.uint8)``), so a NaN equals itself and -0.0 differs from 0.0.
+Comparison is on raw bytes (``pymem.testing.bitwise_equal``), so a NaN equals itself and -0.0
+differs from 0.0.
 """
 import contextlib
 import gc
@@ -17,6 +18,7 @@ import pytest
 import torch
 
 import pymem
+from pymem.testing import bitwise_equal
 
 
 class RunTooLong(Exception):
@@ -36,11 +38,6 @@ def deadline(seconds: float, what: str):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-
-
-def raw(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes (a copy, contiguous), for a bitwise comparison."""
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).clone()
 
 
 def flat_tensors(x):
@@ -63,7 +60,7 @@ def assert_bitwise_equal(what: str, ref, got) -> None:
     for i, (a, b) in enumerate(zip(ref, got)):
         assert a.dtype == b.dtype and a.shape == b.shape, \
             f"{what}: tensor {i}: {a.dtype}{tuple(a.shape)} unmanaged, {b.dtype}{tuple(b.shape)} managed"
-        if not torch.equal(raw(a), raw(b)):
+        if not bitwise_equal(a, b):
             diff = (a.double() - b.double()).abs().max().item()
             pytest.fail(f"{what}: tensor {i} {a.dtype}{tuple(a.shape)} differs (max |diff| {diff:g})")
 
