@@ -120,12 +120,10 @@ class Allocator:
         s = self.arena.stats()
         cupy_bytes = self.bytes
         torch_bytes = s["allocated_bytes.current"] - cupy_bytes
-        err = OutOfBudgetError(
+        err = OutOfBudgetError.from_cause(
             f"pymem: CuPy asked for {size} B on cuda:{device}, but the budget is {s['budget_bytes']} B and "
             f"nothing else can be released: PyTorch holds {torch_bytes} B and CuPy {cupy_bytes} B (largest "
-            f"free block {s['largest_free_block']} B). Raise the budget, or free CuPy arrays. Cause: {e}")
-        for k in ("requested", "budget", "allocated", "pinned_bytes", "largest_free_block"):
-            setattr(err, k, getattr(e, k, None))
+            f"free block {s['largest_free_block']} B). Raise the budget, or free CuPy arrays. Cause: {e}", e)
         err.torch_bytes, err.cupy_bytes = torch_bytes, cupy_bytes
         return err
 

@@ -9,3 +9,13 @@ class OutOfBudgetError(torch.OutOfMemoryError):
     ``largest_free_block``. A subclass of ``torch.OutOfMemoryError``, so existing
     out-of-memory handlers keep working.
     """
+
+    FIGURES = ("requested", "budget", "allocated", "pinned_bytes", "largest_free_block")
+
+    @classmethod
+    def from_cause(cls, message: str, cause: BaseException) -> "OutOfBudgetError":
+        """A new error with ``message`` and the cause's figures (None where it has none)."""
+        err = cls(message)
+        for k in cls.FIGURES:
+            setattr(err, k, getattr(cause, k, None))
+        return err

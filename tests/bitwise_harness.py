@@ -20,6 +20,8 @@ import torch
 import pymem
 from pymem.testing import bitwise_equal
 
+import runtime_models as rm
+
 
 class RunTooLong(Exception):
     pass
@@ -65,23 +67,7 @@ def assert_bitwise_equal(what: str, ref, got) -> None:
             pytest.fail(f"{what}: tensor {i} {a.dtype}{tuple(a.shape)} differs (max |diff| {diff:g})")
 
 
-def measure(make, steps: int):
-    """(peak, resident) bytes of every CPU tensor over ``steps`` steps (the workload built under the
-    hook too), with an 8 GiB lazily mapped arena and no small region as the CPU allocator. ``resident``:
-    what stays allocated after the last step while the workload is alive (parameters, gradients,
-    optimizer state, the batch: the leaves pymem never releases)."""
-    arena = pymem.Arena(8 << 30, small_threshold=0)
-    pymem.install_cpu_hook(arena)
-    try:
-        step = make()
-        for _ in range(steps):
-            step()
-        stats = arena.stats()
-    finally:
-        pymem.uninstall_cpu_hook()
-    del step
-    gc.collect()
-    return stats["allocated_bytes.peak"], stats["allocated_bytes.current"]
+measure = rm.measure_run  # (peak, resident) bytes of ``steps`` steps of ``make()``
 
 
 def measure_peak(make, steps: int) -> int:

@@ -126,3 +126,21 @@ class FakeCuda:
 
     def syncs(self, since=0):
         return [rest[0] for kind, *rest in self.log[since:] if kind == "sync"]
+
+
+# The library keeps every table it was given, and arenas keep their slabs, for the life of the
+# process: the fakes (their callbacks and buffers) must live as long.
+_FAKES = []
+
+
+def fresh_table():
+    """The CUDA library (loaded) on a new fake table, with no provider or handler left from an
+    earlier test: (library, fake)."""
+    lib = cuda_lib.load()
+    lib.set_pressure_handler(None)
+    lib.set_provider(0, None)
+    lib.reset()
+    f = FakeCuda()
+    _FAKES.append(f)
+    lib.set_table(f.table)
+    return lib, f

@@ -222,15 +222,21 @@ def run(name: str, steps: int, seed: int = 0):
 
 
 def measure(name, steps, seed=0):
-    """(peak, current) bytes of every CPU tensor over a run of ``steps`` steps (trainer built under the
-    hook too), measured with an 8 GiB lazily mapped host arena as the CPU allocator; ``current`` is
-    what stays allocated after the last step while the trainer is alive."""
+    """(peak, current) bytes of every CPU tensor over a run of ``steps`` steps of ``name``."""
+    return measure_run(lambda: trainer(name, seed), steps)
+
+
+def measure_run(make, steps):
+    """(peak, current) bytes of every CPU tensor over ``steps`` calls of ``make()``'s step (built under
+    the hook too), measured with an 8 GiB lazily mapped host arena with no small region as the CPU
+    allocator; ``current`` is what stays allocated after the last step while the step is alive (the
+    leaves pymem never releases: parameters, gradients, optimizer state, the batch)."""
     import pymem
 
     arena = pymem.Arena(8 << 30, small_threshold=0)
     pymem.install_cpu_hook(arena)
     try:
-        step = trainer(name, seed)
+        step = make()
         for _ in range(steps):
             step()
         stats = arena.stats()

@@ -26,22 +26,13 @@ from pymem.runtime.runtime import Runtime  # noqa: E402
 if cuda_lib.library_path() is None:
     pytest.skip("pymem/libpymem_cuda.so is not built", allow_module_level=True)
 
-from fake_cuda import FakeCuda  # noqa: E402
+from fake_cuda import fresh_table  # noqa: E402
 
 KiB = 1024
 MiB = 1024 * KiB
-_FAKES = []  # the library keeps every table it was given: the fakes live as long as the process
-
-
 @pytest.fixture
 def fake():
-    lib = cuda_lib.load()
-    lib.set_pressure_handler(None)
-    lib.set_provider(0, None)
-    lib.reset()
-    f = FakeCuda()
-    _FAKES.append(f)
-    lib.set_table(f.table)
+    lib, f = fresh_table()
     original = cupy.cuda.get_allocator()
     yield f
     pcupy.uninstall()

@@ -21,25 +21,14 @@ if cuda_lib.library_path() is None:
                 "found)", allow_module_level=True)
 
 import runtime_models as rm  # noqa: E402
-from fake_cuda import FakeCuda  # noqa: E402
+from fake_cuda import fresh_table  # noqa: E402
 from test_runtime_training import STEPS, budget_for, check_same, reference  # noqa: E402
 
 torch.set_num_threads(2)
 
-# The library keeps every table it was given, and arenas keep their slabs, for the life of the
-# process: the fakes (their callbacks and buffers) must live as long.
-_FAKES = []
-
-
 @pytest.fixture
 def fake():
-    lib = cuda_lib.load()
-    lib.set_pressure_handler(None)
-    lib.set_provider(0, None)
-    lib.reset()
-    f = FakeCuda()
-    _FAKES.append(f)
-    lib.set_table(f.table)
+    lib, f = fresh_table()
     yield f
     gc.collect()
     lib.set_provider(0, None)

@@ -32,6 +32,33 @@ def _in_thread(fn, name="trainer"):
     return out[0]
 
 
+def _under_budget_in_threads(budget, make_targets):
+    """Enables pymem, starts one thread per callable from ``make_targets()`` (called after enable,
+    on this thread), joins them, disables; returns (their results, memory stats)."""
+    targets_results, errors = {}, []
+
+    def body(i, fn):
+        try:
+            targets_results[i] = fn()
+        except BaseException as e:  # noqa: BLE001  (re-raised below)
+            errors.append(e)
+
+    pymem.enable(budget, device="cpu")
+    try:
+        threads = [threading.Thread(target=body, args=(i, fn)) for i, fn in enumerate(make_targets())]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(180)
+        st = pymem.memory_stats()
+    finally:
+        pymem.disable()
+        gc.collect()
+    if errors:
+        raise errors[0]
+    return [targets_results[i] for i in range(len(threads))], st
+
+
 def _budget(name, ratio):
     return int(ratio * rm.unmanaged_peak(name, STEPS)) // 512 * 512
 
@@ -55,33 +82,20 @@ def test_two_threads_train_two_models_under_one_budget():
     steps give the same values whatever the interleaving."""
     want = {name: rm.run(name, STEPS) for name in ("mlp", "views")}
     budget = (_budget("mlp", 0.6) + _budget("views", 0.6)) // 512 * 512
-    got, errors = {}, []
+    names = list(want)
     barrier = threading.Barrier(2)
 
-    def train(name, step):
-        try:
-            barrier.wait()
-            losses = [step() for _ in range(STEPS)]
-            got[name] = (losses, [p.detach().clone() for p in step.model.parameters()])
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+    def train(step):
+        barrier.wait()
+        losses = [step() for _ in range(STEPS)]
+        return losses, [p.detach().clone() for p in step.model.parameters()]
 
-    pymem.enable(budget, device="cpu")
-    try:
-        # Built one after the other: initialisation draws from the shared default generator.
-        threads = [threading.Thread(target=train, args=(n, rm.trainer(n))) for n in want]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        st = pymem.memory_stats()
-    finally:
-        pymem.disable()
-        gc.collect()
-    assert not errors, errors
-    for name in want:
-        assert got[name][0] == want[name][0], name
-        assert all_bitwise_equal(got[name][1], want[name][1]), name
+    # Built one after the other: initialisation draws from the shared default generator.
+    got, st = _under_budget_in_threads(budget, lambda: [
+        (lambda step=rm.trainer(n): train(step)) for n in names])
+    for name, (losses, params) in zip(names, got):
+        assert losses == want[name][0], name
+        assert all_bitwise_equal(params, want[name][1]), name
     assert st["num_evictions"] > 0 and st["allocated_bytes.peak"] <= st["budget_bytes"]
 
 
@@ -136,27 +150,14 @@ def test_two_threads_under_heavy_pressure_compute_the_right_values():
         return h.detach().clone(), w.grad.clone()
 
     want = [chain(s) for s in (1, 2)]
-    got, errors = [None, None], []
 
-    def run(i):
-        try:
-            for _ in range(3):
-                got[i] = chain(i + 1)
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
+    def repeat(seed):
+        for _ in range(2):
+            chain(seed)
+        return chain(seed)
 
-    pymem.enable(5 << 20, device="cpu")  # about a quarter of what the two chains hold
-    try:
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(180)
-        st = pymem.memory_stats()
-    finally:
-        pymem.disable()
-        gc.collect()
-    assert not errors, errors
+    # about a quarter of what the two chains hold
+    got, st = _under_budget_in_threads(5 << 20, lambda: [lambda: repeat(1), lambda: repeat(2)])
     for (h, g), (wh, wg) in zip(got, want):
         assert all_bitwise_equal([h, g], [wh, wg])
     assert st["num_evictions"] > 0 and st["allocated_bytes.peak"] <= st["budget_bytes"]

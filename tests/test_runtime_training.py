@@ -11,13 +11,13 @@ the largest op's working set take 15-25% of the peak, so 30% is feasible for eve
 """
 import contextlib
 import gc
-import signal
 
 import pytest
 import torch
 
 import pymem
 import runtime_models as rm
+from bitwise_harness import RunTooLong, deadline
 
 torch.set_num_threads(2)  # reductions split the same way in every run
 
@@ -52,26 +52,6 @@ def reference(name: str):
         del step
         gc.collect()
     return _REFS[name]
-
-
-class RunTooLong(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def deadline(seconds: float, what: str):
-    """Raise RunTooLong in the main thread after ``seconds`` (a thrashing or livelocked restore
-    must fail the test, not hang the suite)."""
-    def on_alarm(signum, frame):
-        raise RunTooLong(f"{what} did not finish within {seconds} s (thrashing or livelock?)")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 class _Managed:

@@ -715,12 +715,10 @@ class Runtime:
     def _op_error(self, name: str, e: OutOfBudgetError, needs: str = "") -> OutOfBudgetError:
         """The error a user sees when an op cannot run within the budget: the op, what it needed,
         the budget and the arena's state, and the arena's own message as the cause."""
-        err = OutOfBudgetError(
+        err = OutOfBudgetError.from_cause(
             f"pymem: {name} {needs}, but the budget is {self.budget} B and nothing else can be released "
             f"(allocated {getattr(e, 'allocated', 0)} B, largest free block "
-            f"{getattr(e, 'largest_free_block', 0)} B). Raise the budget. Cause: {e}")
-        for k in ("requested", "budget", "allocated", "pinned_bytes", "largest_free_block"):
-            setattr(err, k, getattr(e, k, None))
+            f"{getattr(e, 'largest_free_block', 0)} B). Raise the budget. Cause: {e}", e)
         err.op = name
         return err
 
