@@ -15,13 +15,11 @@ _NEVER_RECOMPUTE = {
 _PURE_NAMESPACES = ("aten", "prims")
 
 # Ops that write arguments their schema does not mark as written: the legacy batch norms update
-# running_mean and running_var (positions 3 and 4) in training mode.
+# running_mean and running_var (positions 3 and 4) in training mode, in every overload (.out too).
 _HIDDEN_WRITES = {
-    aten.native_batch_norm.default: [(3, "running_mean"), (4, "running_var")],
+    getattr(aten, name): [(3, "running_mean"), (4, "running_var")]
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm") if hasattr(aten, name)
 }
-for _name in ("cudnn_batch_norm", "miopen_batch_norm"):
-    if hasattr(aten, _name):
-        _HIDDEN_WRITES[getattr(aten, _name).default] = [(3, "running_mean"), (4, "running_var")]
 
 # In-place ops that overwrite every element of their first argument without reading it: when the
 # mutated view covers the whole storage, the recompute starts from a blank buffer, so the old value
@@ -31,7 +29,7 @@ _OVERWRITE_NAMES = {"zero_", "fill_", "normal_", "uniform_", "bernoulli_", "rand
 
 
 class OpInfo:
-    __slots__ = ("name", "mutated", "seeded", "pure", "overwrites", "fresh_returns")
+    __slots__ = ("name", "mutated", "regrown", "seeded", "pure", "overwrites", "fresh_returns")
 
     def __init__(self, func) -> None:
         schema = func._schema
@@ -39,12 +37,14 @@ class OpInfo:
         self.name = str(func)
         # (position, name) of arguments the op writes. inplace_view ops (t_, squeeze_, ...) only change
         # a tensor's view metadata, never storage bytes: records are per storage, so they mutate nothing.
-        self.mutated: List[Tuple[int, str]] = []
-        if torch.Tag.inplace_view not in tags:
-            for i, a in enumerate(schema.arguments):
-                if a.alias_info is not None and a.alias_info.is_write:
-                    self.mutated.append((i, a.name))
-        self.mutated.extend(_HIDDEN_WRITES.get(func, ()))
+        written = [(i, a.name) for i, a in enumerate(schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+        view_op = torch.Tag.inplace_view in tags
+        self.mutated: List[Tuple[int, str]] = [] if view_op else list(written)
+        self.mutated.extend(_HIDDEN_WRITES.get(func.overloadpacket, ()))
+        # Except that resize_ and resize_as_ give a storage too small for the new shape a larger buffer
+        # (its old bytes copied): arguments whose storage may grow though the op writes no byte.
+        self.regrown: List[Tuple[int, str]] = written if view_op else []
         self.seeded = torch.Tag.nondeterministic_seeded in tags
         self.pure = func.namespace in _PURE_NAMESPACES and func not in _NEVER_RECOMPUTE
         self.overwrites = schema.name.split("::")[-1] in _OVERWRITE_NAMES and len(self.mutated) == 1
@@ -61,10 +61,10 @@ def op_info(func) -> OpInfo:
     return info
 
 
-def mutated_tensors(info: OpInfo, args, kwargs) -> List[torch.Tensor]:
-    """The tensors the op writes (lists of tensors flattened)."""
+def mutated_tensors(positions: List[Tuple[int, str]], args, kwargs) -> List[torch.Tensor]:
+    """The tensors at ``positions`` (OpInfo.mutated, OpInfo.regrown; lists of tensors flattened)."""
     out = []
-    for pos, name in info.mutated:
+    for pos, name in positions:
         v = args[pos] if pos < len(args) else kwargs.get(name)
         if isinstance(v, torch.Tensor):
             out.append(v)

@@ -28,12 +28,26 @@ class Slot:
         self.i = i
 
 
-class ArgRef:
-    """How a recipe gets one tensor argument back: a view (dtype, size, stride, offset) of a record's
-    value, of a strong leaf alias, or of a blank buffer. ``mutated``: the op writes it, so the
-    recompute must get a private copy."""
+_set_conj, _set_neg = torch._C._set_conj, torch._C._set_neg
 
-    __slots__ = ("rec", "leaf", "dtype", "size", "stride", "offset", "mutated", "blank_nbytes")
+
+def with_math_bits(v: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
+    """``v`` (a bare view of a storage) with the lazy conjugate / negative bits of the tensor it
+    stands for: a conj() or _neg_view() argument holds its bytes unconjugated, un-negated, and
+    the bits tell the kernel so. A view without them reads another value."""
+    if conj:
+        _set_conj(v, True)
+    if neg:
+        _set_neg(v, True)
+    return v
+
+
+class ArgRef:
+    """How a recipe gets one tensor argument back: a view (dtype, size, stride, offset, math bits)
+    of a record's value, of a strong leaf alias, or of a blank buffer. ``mutated``: the op writes
+    it, so the recompute must get a private copy."""
+
+    __slots__ = ("rec", "leaf", "dtype", "size", "stride", "offset", "conj", "neg", "mutated", "blank_nbytes")
 
     def __init__(self, rec, leaf, t: torch.Tensor, mutated: bool, blank_nbytes: int = 0) -> None:
         self.rec = rec
@@ -42,8 +56,14 @@ class ArgRef:
         self.size = tuple(t.shape)
         self.stride = t.stride()
         self.offset = t.storage_offset()
+        self.conj = t.is_conj()
+        self.neg = t.is_neg()
         self.mutated = mutated
         self.blank_nbytes = blank_nbytes
+
+    def view(self, sref) -> torch.Tensor:
+        """The argument as a view of ``sref`` (a _C.StorageRef)."""
+        return with_math_bits(sref.view(self.dtype, self.size, self.stride, self.offset), self.conj, self.neg)
 
 
 class Recipe:

@@ -207,12 +207,12 @@ def _recompute(rt, r: Record) -> None:
                 if b is None:
                     private = any(x.mutated and x.rec is a.rec for x in rc.refs)
                     b = bases[a.rec.id] = _base_of(rt, a.rec, private)
-                tensors.append(b.sref.view(a.dtype, a.size, a.stride, a.offset))
+                tensors.append(a.view(b.sref))
             elif a.leaf is not None:
                 tensors.append(rt.allocating(_clone, a.leaf) if a.mutated else a.leaf)
             else:  # blank: the op overwrites every byte
                 buf = rt.allocating(_blank, a.blank_nbytes, rt.device)
-                tensors.append(_C.StorageRef(buf).view(a.dtype, a.size, a.stride, a.offset))
+                tensors.append(a.view(_C.StorageRef(buf)))
         args, kwargs = _fill(rc.args, tensors), _fill(rc.kwargs, tensors)
         t0 = time.perf_counter()
         try:
@@ -321,7 +321,7 @@ def _keep_old_value(rt, leaf: Record, direct: List[Record], closure: List[Record
             continue
         for a in c.recipe.refs:
             if a.leaf is not None and _C.StorageRef(a.leaf).data_ptr == base:
-                a.leaf = copy_ref.view(a.dtype, a.size, a.stride, a.offset)
+                a.leaf = a.view(copy_ref)
         old.children.append(weakref.ref(c))
     rt.num_leaf_copies += 1
     return True

@@ -24,7 +24,7 @@ from .pressure import PressureHandler
 from .compile_warning import CompileWarning
 from .raw_access import RawAccess
 from .threads import ThreadCoverage
-from .records import ArgRef, Recipe, Record, Slot
+from .records import ArgRef, Recipe, Record, Slot, with_math_bits
 from .swap import NO_SWAP_STATS, Swapper
 
 _Tensor = torch.Tensor
@@ -517,7 +517,7 @@ class Runtime:
             snapshots = None
             mut_recs = mut_slots = None
             if info.mutated:
-                mut_ids = {id(t) for t in mutated_tensors(info, args, kwargs)}
+                mut_ids = {id(t) for t in mutated_tensors(info.mutated, args, kwargs)}
                 mut_recs = {}
                 mut_slots = set()
                 for j, t in enumerate(ins):
@@ -591,6 +591,8 @@ class Runtime:
             for r, j in mut_recs.values():
                 if r.recipe is None:
                     continue  # a leaf stays a leaf
+                if self._regrown(r, ins[j], cost, info.name):
+                    continue
                 recipe = Recipe(func, targs, tkw, refs, ("arg", j), rng) if in_place_refs is not None else None
                 new = Record(self, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
                 new.pins, r.pins = r.pins, 0  # a pin is the storage's, whichever value it holds
@@ -601,6 +603,11 @@ class Runtime:
                     # Gone from memory like an evicted value: DTR's e* must count it, or a chain of
                     # in-place ops (dropout's bernoulli_ then div_) looks as cheap as its last step.
                     self.mark_gone(r)
+        elif info.regrown:
+            for t in mutated_tensors(info.regrown, args, kwargs):
+                r = table.get(_storage_key(t))
+                if r is not None and r.recipe is not None:
+                    self._regrown(r, t, cost, info.name)
 
         # Outputs: views of known storages just get touched; fresh storages get a record.
         if isinstance(out, _Tensor):
@@ -642,6 +649,17 @@ class Runtime:
         """True when this thread's dispatch mode stack holds one of this runtime's modes."""
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
         return any(isinstance(m, _Mode) and m.rt is self for m in _get_current_dispatch_mode_stack())
+
+    def _regrown(self, r: Record, t: _Tensor, cost: float, op: str) -> bool:
+        """True if the op just run grew ``r``'s storage (``t``'s): resize_, or an in-place or out= op
+        that resizes its output (addbmm_ on a broadcast self). No replay on a buffer of the old size
+        gives the new value back: it is a leaf, recorded at its new size; ``r`` keeps the old value."""
+        if t.untyped_storage().nbytes() <= r.nbytes:
+            return False
+        r.sref = None
+        pins, r.pins = r.pins, 0
+        self._set_pins(self._new_record(t, _storage_key(t), cost, None, op), pins)  # the storage's pin
+        return True
 
     def run_again(self, func, args, kwargs, e: OutOfBudgetError, rng=None):
         """``func`` (functional: its partial outputs died with the exception, it left no trace) ran
@@ -697,7 +715,7 @@ class Runtime:
             if snapshots is not None and j in snapshots:
                 refs.append(ArgRef(None, _alias(snapshots[j]), t, True))
             elif r is None or r.recipe is None:
-                refs.append(ArgRef(None, _alias(t), t, False))
+                refs.append(ArgRef(None, with_math_bits(_alias(t), t.is_conj(), t.is_neg()), t, False))
             elif mut_slots is not None and j in mut_slots:
                 if info.overwrites and t.is_contiguous() and t.storage_offset() == 0 and \
                         t.numel() * t.element_size() == r.nbytes:
