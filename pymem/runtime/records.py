@@ -63,7 +63,7 @@ class Record:
     """One value of one alias pool; read by policies through the TensorView attributes."""
 
     __slots__ = ("id", "sref", "nbytes", "compute_cost", "last_access", "recipe", "locks", "waits", "need_rank", "evicted",
-                 "in_arena", "children", "lost", "op", "rt", "host", "__weakref__")
+                 "in_arena", "children", "lost", "op", "rt", "host", "pinned", "__weakref__")
 
     def __init__(self, rt, sref, nbytes: int, cost: float, now: float, recipe: Optional[Recipe], op,
                  in_arena: bool) -> None:
@@ -83,6 +83,7 @@ class Record:
         self.lost = None            # why this value can no longer be recomputed (str), if so
         self.op = op                # name of the producing op, for messages
         self.host = None            # a host copy of the value (swap.py), valid while the record lives
+        self.pinned = False         # handed to a collective: the buffer never moves again (compaction.py)
 
     # --- TensorView (what policies read) ---
     @property

@@ -7,7 +7,8 @@ import weakref
 from typing import Dict, List, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 from .. import _C
 from .. import cost_model as _cost_model
@@ -17,7 +18,7 @@ from ..policies import Director, EvictedNeighbourhood, Policy, get_director, get
 from . import compaction, remat
 from .hooks import CpuHook, CudaLibHook
 from .native import cap_for
-from .ops import mutated_tensors, op_info
+from .ops import in_flight, mutated_tensors, op_info
 from .pressure import PressureHandler
 from .records import ArgRef, Recipe, Record, Slot
 from .swap import NO_SWAP_STATS, Swapper
@@ -36,6 +37,9 @@ _NATIVE_RETRIES = 64  # rounds of release-and-retry for one op under the native 
 # A refused allocation: pymem's OutOfBudgetError (its subclass), or the CUDA caching allocator's
 # out-of-memory under allocator="native"'s memory fraction. Either leaves a functional op no trace.
 _Refused = torch.OutOfMemoryError
+# UntypedStorage.resize_ is no aten op (FSDP frees and regrows its unsharded parameters with it):
+# the runtime wraps it while enabled, to see the value it destroys.
+_storage_resize = torch.UntypedStorage.resize_
 
 
 def _collect(values, out: List[_Tensor]) -> None:
@@ -55,6 +59,11 @@ def _gather(args, kwargs) -> List[_Tensor]:
     if kwargs:
         _collect(kwargs.values(), out)
     return out
+
+
+def _gather_nested(args, kwargs) -> List[_Tensor]:
+    """Every tensor argument, at any depth (a collective's Tensor[][]): off the hot path."""
+    return [a for a in tree_leaves((args, kwargs)) if isinstance(a, _Tensor)]
 
 
 _SLOTS = [Slot(i) for i in range(256)]  # shared: a recipe's template allocates no Slot objects
@@ -219,12 +228,20 @@ class Runtime:
             self.native.install()
         self.mode = _Mode(self)
         self.mode.__enter__()
+        rt = self
+
+        def resize_(storage, size):
+            rt.before_resize(storage, size)
+            return _storage_resize(storage, size)
+
+        torch.UntypedStorage.resize_ = resize_
 
     def stop(self) -> None:
         """Leave the mode, give PyTorch its allocator back, restore every evicted value."""
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
+            del torch.UntypedStorage.resize_  # back to torch._C.StorageBase's
         if self.swap is not None:
             self.swap.close()  # copies in flight land in the arena first
         if self.arena is not None:
@@ -279,6 +296,29 @@ class Runtime:
             return True
         s = r.sref
         return s is not None and not r.evicted and s.alive
+
+    def before_resize(self, storage, nbytes: int) -> None:
+        """``storage.resize_(nbytes)`` is about to run. No op pymem sees, yet it destroys the value
+        the storage holds (resizing to 0 frees it; growing it again leaves garbage), as an op
+        overwriting it would: recipes that read that value are invalidated now, while it is still
+        there (afterwards they would recompute from freed or uninitialised bytes), and the storage
+        gets a new record, of its new size, when an op next sees it."""
+        key = storage._cdata  # the StorageImpl's address, as _C.storage_key gives it
+        r = self.table.get(key)
+        if r is None or nbytes == storage.nbytes():
+            return
+        with _disable_current_modes():  # pymem's own work, not ops of the program
+            if r.evicted and nbytes:  # resize_ keeps the bytes that fit: bring them back first
+                remat.restore(self, [r])
+            del self.table[key]
+            if r.recipe is None:
+                if r.children:
+                    self.num_invalidations += 1
+                    remat.invalidate_dependents(self, r, "its storage was resized (UntypedStorage.resize_)",
+                                                keep=True)
+            else:  # the old value stays recomputable for the recipes that read it, without a storage
+                r.sref = None
+                self.mark_gone(r)
 
     # ------------------------------------------------------------------ release / restore
     def release(self, r: Record) -> None:
@@ -371,7 +411,7 @@ class Runtime:
         info = op_info(func)
         if kwargs is None:
             kwargs = {}
-        ins = _gather(args, kwargs)
+        ins = _gather(args, kwargs) if not info.collective else _gather_nested(args, kwargs)
         recs = []
         managed = True
         table = self.table
@@ -408,8 +448,10 @@ class Runtime:
             recomputable = managed and info.pure and _grad_enabled()
             snapshots = None
             mut_recs = mut_slots = None
-            if info.mutated:
-                mut_ids = {id(t) for t in mutated_tensors(info, args, kwargs)}
+            if info.mutated or info.collective:
+                # A collective writes buffers its schema does not mark (allreduce_, broadcast_):
+                # everything it is handed counts as written.
+                mut_ids = {id(t) for t in (ins if info.collective else mutated_tensors(info, args, kwargs))}
                 mut_recs = {}
                 mut_slots = set()
                 for j, t in enumerate(ins):
@@ -437,8 +479,16 @@ class Runtime:
             pressure = self.pressure
             handled = pressure.seconds
             t0 = _perf()
+            # A collective still in flight when it returns: its communication thread may read or
+            # write these buffers until its Work completes, which pymem does not see. They never
+            # move again (pinned); a collective's inputs are never released anyway (written: leaves).
+            pin = info.collective and in_flight(info, args, kwargs)
             try:
                 out = func(*args, **kwargs)
+                if pin:
+                    for r in recs:
+                        if r is not None:
+                            r.pinned = True
             except _Refused as e:
                 if info.mutated or not info.pure:  # it may have written before it ran out
                     raise self._run_error(info.name, recs, e) from None
@@ -486,6 +536,7 @@ class Runtime:
                     continue  # a leaf stays a leaf
                 recipe = Recipe(func, targs, tkw, refs, ("arg", j), rng) if in_place_refs is not None else None
                 new = Record(self, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
+                new.pinned = r.pinned  # the pin belongs to the storage
                 r.sref = None  # r is now the old value: no storage, still recomputable by its recipe
                 table[_storage_key(ins[j])] = new
                 if recipe is not None:
@@ -510,11 +561,15 @@ class Runtime:
             r = table.get(key)
             if r is not None:
                 r.last_access = now
+                if pin:
+                    r.pinned = True
                 continue
             recipe = None
             if refs is not None:
                 recipe = Recipe(func, targs, tkw, refs, ("ret", i), rng)
             new = self._new_record(o, key, cost, recipe, info.name)
+            if pin:  # a fresh output it may fill until its wait
+                new.pinned = True
             if recipe is not None:
                 self._link(recs, new)
         return out
