@@ -220,6 +220,30 @@ def test_logits_kept_across_the_optimizer_step_come_back_with_the_old_weights(ma
     assert not torch.equal(model(x), want)  # the model itself did change
 
 
+def test_a_leaf_storage_resized_outside_any_op_keeps_its_dependents_right(managed):
+    """FSDP frees a parameter's storage after forward (UntypedStorage.resize_(0), no aten op) and
+    regrows it before backward, uninitialised until its all-gather fills it. Recipes that read the
+    parameter must not recompute from the freed or regrown bytes: the value they read is kept."""
+    w = torch.rand(1 << 16)  # a parameter: made before enable, no recipe
+    pymem.enable(64 * MiB)
+    evicted = w * 2
+    resident = w + 1
+    want = (evicted.clone(), resident.clone())
+    pymem.evict(evicted)
+    storage = w.untyped_storage()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    storage.resize_(nbytes)  # garbage, as FSDP's alloc_storage leaves it
+    with torch.no_grad():
+        w.fill_(float("nan"))  # not the old value
+    pymem.evict(resident)
+    assert torch.equal(evicted, want[0]) and torch.equal(resident, want[1])
+    assert pymem.memory_stats()["num_leaf_copies"] == 1
+    assert torch.UntypedStorage.resize_ is not torch._C.StorageBase.resize_
+    pymem.disable()
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # unwrapped
+
+
 def test_scattered_leaves_are_moved_to_fit_a_large_request(managed):
     """Leaves (state made under no_grad) between evictable values split the free bytes; the request
     fits only if the leaves move. Their values, and the recomputed ones, must survive the move."""

@@ -2,13 +2,15 @@
 move what cannot be released instead of giving up.
 
 The arena's main region is cut into *segments* by blocks that must not move now: inputs of the
-kernels running now (``rt.running``: a kernel may hold their addresses), and blocks the runtime does
-not own (buffers a kernel is still filling). Locked values that no kernel reads yet (inputs held for
-a pending recompute) may move: a lock only forbids releasing them. Everything else in a segment can move (parameters, gradients,
-optimizer state) or be released (recomputable values). A request fits in a segment once its free
-bytes plus the bytes released there cover it: the plan picks the segment where the cheapest such
-release (lowest policy score first) costs least, releases that, and slides the segment's remaining
-blocks up, which leaves its free bytes as one block at the bottom.
+kernels running now (``rt.running``: a kernel may hold their addresses), buffers handed to a
+collective (``Record.pins``: its communication thread may still hold their addresses), and blocks
+the runtime does not own (buffers a kernel is still filling). Locked values that no kernel reads yet
+(inputs held for a pending recompute) may move: a lock only forbids releasing them. Everything else
+in a segment can move (parameters, gradients, optimizer state) or be released (recomputable values).
+A request fits in a segment once its free bytes plus the bytes released there cover it: the plan
+picks the segment where the cheapest such release (lowest policy score first) costs least, releases
+that, and slides the segment's remaining blocks up, which leaves its free bytes as one block at the
+bottom.
 
 Cost: one memmove of the segment's surviving blocks. It replaces evictions that a contiguous window
 would have forced (a window cannot span a parameter), and DTR-style runtimes that grow past the

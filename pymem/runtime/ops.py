@@ -13,6 +13,10 @@ _NEVER_RECOMPUTE = {
     aten._local_scalar_dense.default, aten.lift_fresh.default, aten.lift_fresh_copy.default,
 }
 _PURE_NAMESPACES = ("aten", "prims")
+# Collectives: their schemas mark no argument as written (c10d::allreduce_ writes its tensors), and a
+# communication thread may still read or write their buffers after the op returns (see in_flight).
+_COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd",
+                          "symm_mem")
 
 # Ops that write arguments their schema does not mark as written: the legacy batch norms update
 # running_mean and running_var (positions 3 and 4) in training mode, in every overload (.out too).
@@ -29,7 +33,8 @@ _OVERWRITE_NAMES = {"zero_", "fill_", "normal_", "uniform_", "bernoulli_", "rand
 
 
 class OpInfo:
-    __slots__ = ("name", "mutated", "regrown", "seeded", "pure", "overwrites", "fresh_returns")
+    __slots__ = ("name", "mutated", "regrown", "seeded", "pure", "overwrites", "fresh_returns", "collective",
+                 "async_pos")
 
     def __init__(self, func) -> None:
         schema = func._schema
@@ -49,6 +54,8 @@ class OpInfo:
         self.pure = func.namespace in _PURE_NAMESPACES and func not in _NEVER_RECOMPUTE
         self.overwrites = schema.name.split("::")[-1] in _OVERWRITE_NAMES and len(self.mutated) == 1
         self.fresh_returns = any(r.alias_info is None for r in schema.returns)
+        self.collective = func.namespace in _COLLECTIVE_NAMESPACES
+        self.async_pos = next((i for i, a in enumerate(schema.arguments) if a.name == "async_op"), None)
 
 
 _cache: Dict[object, OpInfo] = {}
@@ -71,3 +78,16 @@ def mutated_tensors(positions: List[Tuple[int, str]], args, kwargs) -> List[torc
         elif isinstance(v, (list, tuple)):
             out.extend(x for x in v if isinstance(x, torch.Tensor))
     return out
+
+
+def in_flight(info: OpInfo, args, kwargs) -> bool:
+    """A collective whose buffers its communication thread may still read or write once it returned:
+    all but those called with async_op=False, which torch.distributed waits for before returning to
+    its caller (FSDP2's reduce-scatter). Work completion is not polled instead: gloo's reduce-scatter
+    Work never reports it, and callbacks chained on a Work may still write after it does."""
+    if not info.collective:
+        return False
+    pos = info.async_pos
+    if pos is None:
+        return True
+    return (args[pos] if pos < len(args) else kwargs.get("async_op", True)) is not False

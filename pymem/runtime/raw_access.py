@@ -13,6 +13,9 @@ memory pymem manages hand the storage's address to someone pymem cannot follow. 
 pinned from then on (``Runtime.pin``: never released, moved by compaction or offloaded): until the
 NumPy array (and every view of it) dies, where that can be observed, else for the storage's life.
 
+Storage resizes. ``UntypedStorage.resize_`` (FSDP frees and regrows parameters with it) destroys the
+value a storage holds without an op: the runtime is told first (``Runtime.before_resize``).
+
 Not covered: a pointer from ``data_ptr()`` kept across ops (the value is right when it is read, but
 compaction may move it later): ``pymem.pin(t)`` is for that.
 """
@@ -104,6 +107,9 @@ class RawAccess:
         for module in (torch, torch.utils.dlpack):
             if hasattr(module, "to_dlpack"):
                 self._patch(module, "to_dlpack", to_dlpack)
+        # UntypedStorage.resize_ is no aten op (FSDP frees and regrows its unsharded parameters with
+        # it): the runtime must see the value it destroys.
+        self._patch(torch.UntypedStorage, "resize_", self._resizer(torch.UntypedStorage.resize_))
         # torch.utils.dlpack.from_dlpack looks this up at each call, so it covers every consumer,
         # including a capsule made by a to_dlpack imported before pymem was enabled.
         self._patch(torch._C, "_from_dlpack", self._consumer(torch._C._from_dlpack, "dlpack"))
@@ -156,6 +162,15 @@ class RawAccess:
             return out
 
         return _named(take_in, original)
+
+    def _resizer(self, original):
+        before_resize = self.rt.before_resize
+
+        def resize_(storage, nbytes):
+            before_resize(storage, nbytes)
+            return original(storage, nbytes)
+
+        return _named(resize_, original)
 
     def _saver(self, original):
         saving = self.saving

@@ -255,10 +255,12 @@ def _flat(out) -> List:
     return flat
 
 
-def invalidate_dependents(rt, leaf: Record, why: str) -> None:
+def invalidate_dependents(rt, leaf: Record, why: str, keep: bool = False) -> None:
     """``leaf`` (no recipe) is about to be written in place: every recipe that read its old value,
     directly or through other recipes, becomes invalid. Values whose storage is still alive are made
-    resident first (from the still-valid inputs) and become leaves; the rest are marked lost."""
+    resident first (from the still-valid inputs) and become leaves; the rest are marked lost.
+    ``keep``: copy the old value aside whenever a tensor still holds a dependent (see
+    _keep_old_value)."""
     closure: List[Record] = []
     seen = set()
     direct = [c for c in (w() for w in leaf.children) if c is not None]
@@ -272,7 +274,7 @@ def invalidate_dependents(rt, leaf: Record, why: str) -> None:
         if r.recipe is not None:
             closure.append(r)
         stack.extend(w() for w in r.children)
-    if not closure or _keep_old_value(rt, leaf, direct, closure):
+    if not closure or _keep_old_value(rt, leaf, direct, closure, keep):
         return
     # Hold every resident member, then restore the evicted ones that a tensor still references one at a
     # time, holding each: no restore can evict a member whose recipe is about to be dropped.
@@ -298,17 +300,24 @@ def invalidate_dependents(rt, leaf: Record, why: str) -> None:
         rt.neighbourhood_forget(r)
 
 
-def _keep_old_value(rt, leaf: Record, direct: List[Record], closure: List[Record]) -> bool:
+def _keep_old_value(rt, leaf: Record, direct: List[Record], closure: List[Record],
+                    keep: bool = False) -> bool:
     """Instead of restoring the dependents a tensor still holds (evicted, storage alive) before
     ``leaf`` is overwritten, copy the leaf's current value aside and point the recipes that read it
     at the copy: nothing is recomputed, every recipe stays valid, and the copy lives exactly as long
     as they do. Chosen when those dependents outweigh the leaf: the logits a training step keeps in
     a local while the optimizer updates the weights they came from would otherwise cost a whole
-    forward pass, recomputed for a value nobody reads again. Falls back (False) when the copy does
-    not fit."""
-    pending = sum(r.nbytes for r in closure if r.evicted and r.sref is not None and r.sref.alive)
+    forward pass, recomputed for a value nobody reads again. With ``keep``, chosen whenever a tensor
+    still holds a dependent, resident ones too: FSDP frees a layer's parameters right after its
+    forward, and dropping the recipes would make all the activations autograd keeps for backward
+    unreleasable. Falls back (False) when the copy does not fit."""
     s = leaf.sref
-    if pending < leaf.nbytes or s is None or not s.alive:
+    if s is None or not s.alive:
+        return False
+    if keep:
+        if not any(r.sref is not None and r.sref.alive for r in closure):
+            return False
+    elif sum(r.nbytes for r in closure if r.evicted and r.sref is not None and r.sref.alive) < leaf.nbytes:
         return False
     try:
         copy = rt.allocating(_clone, s.strong())

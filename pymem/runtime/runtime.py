@@ -9,6 +9,7 @@ from typing import Dict, List, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
 
 from .. import _C
 from .. import cost_model as _cost_model
@@ -19,7 +20,7 @@ from ..policies import Director, EvictedNeighbourhood, Policy, get_director, get
 from . import compaction, remat
 from .hooks import CpuHook, CudaLibHook
 from .native import cap_for
-from .ops import mutated_tensors, op_info
+from .ops import in_flight, mutated_tensors, op_info
 from .pressure import PressureHandler
 from .compile_warning import CompileWarning
 from .raw_access import RawAccess
@@ -34,6 +35,7 @@ _StorageRef = _C.StorageRef
 _alias = _C.alias_tensor
 _perf = time.perf_counter
 _get_ident = threading.get_ident
+_FOREVER = 1 << 40  # added to a record's pins: no count of unpins takes it back
 _grad_enabled = torch.is_grad_enabled
 _SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its recipe up to this size
 ALLOCATORS = ("arena", "native")
@@ -61,6 +63,11 @@ def _gather(args, kwargs) -> List[_Tensor]:
     if kwargs:
         _collect(kwargs.values(), out)
     return out
+
+
+def _gather_nested(args, kwargs) -> List[_Tensor]:
+    """Every tensor argument, at any depth (a collective's Tensor[][]): off the hot path."""
+    return [a for a in tree_leaves((args, kwargs)) if isinstance(a, _Tensor)]
 
 
 _SLOTS = [Slot(i) for i in range(256)]  # shared: a recipe's template allocates no Slot objects
@@ -326,6 +333,33 @@ class Runtime:
         s = r.sref
         return s is not None and not r.evicted and s.alive
 
+    def before_resize(self, storage, nbytes: int) -> None:
+        """``storage.resize_(nbytes)`` is about to run. No op pymem sees, yet it destroys the value
+        the storage holds (resizing to 0 frees it; growing it again leaves garbage), as an op
+        overwriting it would: recipes that read that value are invalidated now, while it is still
+        there (afterwards they would recompute from freed or uninitialised bytes), and the storage
+        gets a new record, of its new size, when an op next sees it."""
+        with self.lock:
+            self._before_resize(storage, nbytes)
+
+    def _before_resize(self, storage, nbytes: int) -> None:
+        key = storage._cdata  # the StorageImpl's address, as _C.storage_key gives it
+        r = self.table.get(key)
+        if r is None or nbytes == storage.nbytes():
+            return
+        with _disable_current_modes():  # pymem's own work, not ops of the program
+            if r.evicted and nbytes:  # resize_ keeps the bytes that fit: bring them back first
+                remat.restore(self, [r])
+            del self.table[key]
+            if r.recipe is None:
+                if r.children:
+                    self.num_invalidations += 1
+                    remat.invalidate_dependents(self, r, "its storage was resized (UntypedStorage.resize_)",
+                                                keep=True)
+            else:  # the old value stays recomputable for the recipes that read it, without a storage
+                r.sref = None
+                self.mark_gone(r)
+
     # ------------------------------------------------------------------ release / restore
     def release(self, r: Record) -> None:
         """Free one value's buffer now: offloaded (a host copy brings it back) if the director says
@@ -442,6 +476,12 @@ class Runtime:
         self.pin_counts[reason] = self.pin_counts.get(reason, 0) + 1
         return r
 
+    def pin_for_good(self, r: Record, reason: str) -> None:
+        """A pin no unpin ends (a collective's buffer: pymem cannot see when its Work completes)."""
+        if r.pins < _FOREVER:
+            self._set_pins(r, r.pins + _FOREVER)
+            self.pin_counts[reason] = self.pin_counts.get(reason, 0) + 1
+
     def unpin_key(self, key: int) -> None:
         with self.lock:
             r = self.table.get(key)
@@ -479,7 +519,7 @@ class Runtime:
         info = op_info(func)
         if kwargs is None:
             kwargs = {}
-        ins = _gather(args, kwargs)
+        ins = _gather(args, kwargs) if not info.collective else _gather_nested(args, kwargs)
         recs = []
         managed = True
         table = self.table
@@ -516,8 +556,10 @@ class Runtime:
             recomputable = managed and info.pure and _grad_enabled()
             snapshots = None
             mut_recs = mut_slots = None
-            if info.mutated:
-                mut_ids = {id(t) for t in mutated_tensors(info.mutated, args, kwargs)}
+            if info.mutated or info.collective:
+                # A collective writes buffers its schema does not mark (allreduce_, broadcast_):
+                # everything it is handed counts as written.
+                mut_ids = {id(t) for t in (ins if info.collective else mutated_tensors(info.mutated, args, kwargs))}
                 mut_recs = {}
                 mut_slots = set()
                 for j, t in enumerate(ins):
@@ -545,8 +587,16 @@ class Runtime:
             pressure = self.pressure
             handled = pressure.seconds
             t0 = _perf()
+            # A collective still in flight when it returns: its communication thread may read or
+            # write these buffers until its Work completes, which pymem does not see. They never
+            # move again (pinned); a collective's inputs are never released anyway (written: leaves).
+            pin = info.collective and in_flight(info, args, kwargs)
             try:
                 out = self._kernel(func, args, kwargs)
+                if pin:
+                    for r in recs:
+                        if r is not None:
+                            self.pin_for_good(r, "collective")
             except _Refused as e:
                 if info.mutated or not info.pure:  # it may have written before it ran out
                     raise self._run_error(info.name, recs, e) from None
@@ -625,11 +675,15 @@ class Runtime:
             r = table.get(key)
             if r is not None:
                 r.last_access = now
+                if pin:
+                    self.pin_for_good(r, "collective")
                 continue
             recipe = None
             if refs is not None:
                 recipe = Recipe(func, targs, tkw, refs, ("ret", i), rng)
             new = self._new_record(o, key, cost, recipe, info.name)
+            if pin:  # a fresh output it may fill until its wait
+                self.pin_for_good(new, "collective")
             if recipe is not None:
                 self._link(recs, new)
         return out
@@ -768,7 +822,7 @@ class Runtime:
             "num_pinned_storages": sum(1 for r in self.table.values() if r.pins),
             "num_managed_threads": len(self.threads.managed),
         })
-        for reason in ("numpy", "dlpack", "shared memory", "user"):
+        for reason in ("numpy", "dlpack", "shared memory", "user", "collective"):
             s[f"num_pins.{reason}"] = self.pin_counts.get(reason, 0)
         s.update(self.swap.stats() if self.swap is not None else NO_SWAP_STATS)
         s.update(_cupy.stats(self))
