@@ -167,8 +167,9 @@ def memory_stats() -> dict:
     ``num_rematerializations``, ``remat_seconds``, ``num_invalidations``, ``num_leaf_copies``,
     ``num_retries`` (ops run again after a refused allocation), ``num_records``,
     ``num_pinned_storages`` (shared outside torch, or pinned with ``pymem.pin``) and
-    ``num_pins.numpy`` / ``.dlpack`` / ``.shared memory`` / ``.user`` / ``.collective`` (pins made, by reason; the
-    arena's ``pinned_bytes.current`` counts their bytes); offloading:
+    ``num_pins.numpy`` / ``.dlpack`` / ``.cuda array interface`` / ``.shared memory`` / ``.user`` /
+    ``.collective`` (pins made, by reason; the arena's ``pinned_bytes.current`` counts their
+    bytes); offloading:
     ``num_offloads`` / ``offloaded_bytes`` (values released to host memory; evictions count the
     others), ``offload_copied_bytes`` (copied out: a value released again reuses its copy),
     ``num_swap_ins`` / ``swapped_in_bytes`` (copied back when an op needed them),

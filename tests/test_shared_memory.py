@@ -107,3 +107,24 @@ def test_an_inplace_op_keeps_the_pin_of_its_storage(managed):
 def test_pin_needs_pymem_enabled():
     with pytest.raises(RuntimeError, match="not enabled"):
         pymem.pin(torch.zeros(4))
+
+
+def test_the_cuda_array_interface_pins_the_storage(monkeypatch):
+    """``__cuda_array_interface__`` (CuPy's ``asarray``, Numba) exists for CUDA tensors only: a CPU
+    stand-in with the same shape of result, installed before enable, is what pymem wraps here."""
+    def interface(t):
+        return {"shape": tuple(t.shape), "typestr": "<f4", "data": (t.data_ptr(), False), "version": 2}
+
+    monkeypatch.setattr(torch.Tensor, "__cuda_array_interface__", property(interface))
+    pymem.enable(budget="64MB", device="cpu")
+    try:
+        x = torch.randn(128, 128, requires_grad=True)
+        y = x * 2
+        pymem.evict(y)
+        ptr = y.detach().__cuda_array_interface__["data"][0]  # brought back, then pinned
+        assert ptr == y.data_ptr() != 0
+        pymem.evict(y)
+        assert not pymem.is_evicted(y) and pymem.memory_stats()["num_pins.cuda array interface"] == 1
+    finally:
+        pymem.disable()
+    assert torch.Tensor.__dict__["__cuda_array_interface__"].fget is interface  # given back

@@ -8,6 +8,7 @@ tensor first and writes their bytes afterwards, and bringing one back may releas
 within a save every value it pickles stays held (unreleasable) until the save returns.
 
 Exports. ``t.numpy()`` (and ``np.asarray(t)`` through ``__array__``), ``t.__dlpack__()``,
+``t.__cuda_array_interface__``,
 ``torch.utils.dlpack.to_dlpack``, ``t.share_memory_()`` and a ``from_dlpack`` whose tensor lies on
 memory pymem manages hand the storage's address to someone pymem cannot follow. The storage is
 pinned from then on (``Runtime.pin``: never released, moved by compaction or offloaded): until the
@@ -101,6 +102,10 @@ class RawAccess:
             self._wrap_method(name, self._reader(getattr(_Tensor, name)))
         for name, (reason, unpins) in _EXPORTERS.items():
             self._wrap_method(name, self._exporter(getattr(_Tensor, name), reason, unpins))
+        interface = _Tensor.__dict__.get("__cuda_array_interface__")  # CuPy, Numba: a property
+        if isinstance(interface, property):
+            self._wrap_method("__cuda_array_interface__",
+                              property(self._exporter(interface.fget, "cuda array interface", False)))
         for module in (torch, torch.serialization):
             self._patch(module, "save", self._saver(module.save))
         to_dlpack = self._exporter(torch.utils.dlpack.to_dlpack, "dlpack", False)

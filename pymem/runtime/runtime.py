@@ -822,7 +822,7 @@ class Runtime:
             "num_pinned_storages": sum(1 for r in self.table.values() if r.pins),
             "num_managed_threads": len(self.threads.managed),
         })
-        for reason in ("numpy", "dlpack", "shared memory", "user", "collective"):
+        for reason in ("numpy", "dlpack", "cuda array interface", "shared memory", "user", "collective"):
             s[f"num_pins.{reason}"] = self.pin_counts.get(reason, 0)
         s.update(self.swap.stats() if self.swap is not None else NO_SWAP_STATS)
         s.update(_cupy.stats(self))
