@@ -128,3 +128,15 @@ def test_the_cuda_array_interface_pins_the_storage(monkeypatch):
     finally:
         pymem.disable()
     assert torch.Tensor.__dict__["__cuda_array_interface__"].fget is interface  # given back
+
+
+def test_share_memory_pins_the_storage(managed):
+    """share_memory_() moves the bytes to shared memory another process may map: never released."""
+    x = torch.randn(128, 128, requires_grad=True)
+    y = (x * 2).detach() * 1.0  # recorded under grad mode: it has a recipe
+    want = y.clone()
+    pymem.evict(y)
+    y.share_memory_()  # brought back first, then moved to shared memory
+    assert y.is_shared() and torch.equal(y, want)
+    pymem.evict(y)
+    assert not pymem.is_evicted(y) and pymem.memory_stats()["num_pins.shared memory"] == 1
