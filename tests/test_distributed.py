@@ -95,16 +95,16 @@ def test_a_buffer_handed_to_a_collective_counts_as_written_and_never_moves(one_r
         torch.distributed.all_reduce(y, async_op=True).wait()
         rt = pymem.current()
         r = rt.table[_C.storage_key(y)]
-        assert r.pinned and r.recipe is None  # its value is the collective's now: a leaf
-        with pytest.raises(ValueError, match="no recipe"):
-            pymem.evict(y)
+        assert r.pins and r.recipe is None  # its value is the collective's now: a leaf
+        pymem.evict(y)  # pinned: left in place
+        assert not pymem.is_evicted(y) and torch.equal(y, torch.full((1 << 16,), 2.0))
         y.add_(1)  # written again by an aten op: still pinned
-        assert rt.table[_C.storage_key(y)].pinned
+        assert rt.table[_C.storage_key(y)].pins
         assert y.untyped_storage().data_ptr() not in compaction.movable_blocks(rt)
         z = torch.ones(1 << 16) * 3
         torch.distributed.all_reduce(z)  # async_op=False: waited for before it returns
         r = rt.table[_C.storage_key(z)]
-        assert r.recipe is None and not r.pinned
+        assert r.recipe is None and not r.pins
         assert z.untyped_storage().data_ptr() in compaction.movable_blocks(rt)
     finally:
         pymem.disable()
