@@ -8,7 +8,8 @@ import weakref
 from typing import Dict, List, Optional
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
+                                         _get_current_dispatch_mode_stack)
 from torch.utils._pytree import tree_leaves
 
 from .. import _C
@@ -440,8 +441,8 @@ class Runtime:
     def _evict(self, t: _Tensor) -> None:
         key = _storage_key(t)
         r = self.table.get(key)
-        if (r is not None and (r.nbytes == 0 or r.pins)) or (key and t.untyped_storage().nbytes() == 0):
-            return  # nothing to free, or shared outside torch (pinned): it stays
+        if (r is not None and r.pins) or (key and t.untyped_storage().nbytes() == 0):
+            return  # shared outside torch (pinned): it stays; or no bytes to free (empty, or evicted)
         if r is None or r.recipe is None:
             raise ValueError("pymem.evict: this tensor has no recipe (a leaf, or made outside pymem): "
                              "it cannot be evicted")
@@ -472,15 +473,13 @@ class Runtime:
             return None
         if r.evicted:
             self.restore_for_read(r)
-        self._set_pins(r, r.pins + 1)
-        self.pin_counts[reason] = self.pin_counts.get(reason, 0) + 1
+        self._add_pins(r, 1, reason)
         return r
 
     def pin_for_good(self, r: Record, reason: str) -> None:
         """A pin no unpin ends (a collective's buffer: pymem cannot see when its Work completes)."""
         if r.pins < _FOREVER:
-            self._set_pins(r, r.pins + _FOREVER)
-            self.pin_counts[reason] = self.pin_counts.get(reason, 0) + 1
+            self._add_pins(r, _FOREVER, reason)
 
     def unpin_key(self, key: int) -> None:
         with self.lock:
@@ -498,9 +497,12 @@ class Runtime:
         for r in list(self.table.values()):
             s = r.sref
             if s is not None and not r.evicted and s.data_ptr <= addr < s.data_ptr + r.nbytes:
-                self._set_pins(r, r.pins + 1)
-                self.pin_counts[reason] = self.pin_counts.get(reason, 0) + 1
+                self._add_pins(r, 1, reason)
                 return
+
+    def _add_pins(self, r: Record, n: int, reason: str) -> None:
+        self._set_pins(r, r.pins + n)
+        self.pin_counts[reason] = self.pin_counts.get(reason, 0) + 1
 
     def _set_pins(self, r: Record, pins: int) -> None:
         """The arena's block is pinned too: compaction refuses it, and pinned_bytes counts it."""
@@ -701,7 +703,6 @@ class Runtime:
 
     def mode_on_this_thread(self) -> bool:
         """True when this thread's dispatch mode stack holds one of this runtime's modes."""
-        from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
         return any(isinstance(m, _Mode) and m.rt is self for m in _get_current_dispatch_mode_stack())
 
     def _regrown(self, r: Record, t: _Tensor, cost: float, op: str) -> bool:

@@ -16,6 +16,8 @@ import contextlib
 import threading
 from typing import Iterator, Set
 
+from ..errors import OutOfBudgetError
+
 _OWN_PREFIX = "pymem-"
 
 
@@ -68,7 +70,6 @@ class ThreadCoverage:
         ident = threading.get_ident()
         if ident in self.managed:
             return
-        from ..errors import OutOfBudgetError
         name = threading.current_thread().name
         raise OutOfBudgetError(
             f"pymem: thread {name!r} (ident {ident}) allocates {request} B under pymem's budget of "
