@@ -2,6 +2,7 @@
 brought back on use (swap-in) or ahead of it (prefetch, on a worker thread), as the director
 chooses. Training stays bitwise equal and within the budget whatever the mix."""
 import gc
+import threading
 
 import pytest
 import torch
@@ -136,6 +137,26 @@ def test_an_offloaded_value_comes_back_without_its_evicted_ancestors(rt):
     assert pymem.is_evicted(a) and pymem.is_evicted(b)
 
 
+class _Held(torch.Tensor):
+    """A copy source whose bytes the worker reads only once ``go`` is set (``dst.copy_(src)`` calls
+    ``__torch_function__`` first, on the worker thread)."""
+
+    @staticmethod
+    def __new__(cls, src, go):
+        t = src.as_subclass(cls)
+        t.go = go
+        return t
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for a in args:
+            if isinstance(a, _Held):
+                a.go.wait(30)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*[a.as_subclass(torch.Tensor) if isinstance(a, _Held) else a for a in args],
+                        **(kwargs or {}))
+
+
 def test_a_prefetch_in_flight_is_given_up_under_pressure():
     rt = pymem.enable(4 * MiB, device="cpu", offload="always", prefetch=True)
     try:
@@ -145,8 +166,13 @@ def test_a_prefetch_in_flight_is_given_up_under_pressure():
         a = x + 1  # 1 MiB, recomputable
         pymem.evict(a)  # offloaded: 2 MiB free
         rt.swap.headroom = 0
+        # The worker's copy waits until the test lets it go: otherwise it may finish, and be adopted
+        # by the next op, before the test looks (a race, not a fault).
+        go, start = threading.Event(), rt.swap.copier.start
+        rt.swap.copier.start = lambda dst, src: start(dst, _Held(src, go))
         s = leaf[:4] * 2  # any op: afterwards the prefetch of `a` starts (it fits)
         assert rt.swap.in_flight, "the prefetch did not start"
+        go.set()  # in flight until an op adopts it, done or not: the next allocation comes first
         # 2.5 MiB: only giving up the prefetch's buffer makes room (x and the leaf stay).
         big = torch.empty(5 * MiB // 8, dtype=torch.float32)
         stats = pymem.memory_stats()
