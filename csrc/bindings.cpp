@@ -83,6 +83,8 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
       .def("strong", &pymem::StorageRef::strong);
   m.def("storage_key", &pymem::storage_key, py::arg("tensor"),
         "The tensor's StorageImpl address (its alias-pool key), or 0 without a plain storage.");
+  m.def("storage_use_count", &pymem::storage_use_count, py::arg("tensor"),
+        "Strong references to the tensor's storage, the tensor's own included (1: only it holds the buffer).");
   m.def("alias_tensor", &pymem::alias_tensor, py::arg("tensor"),
         "A new tensor sharing the storage and view metadata, outside autograd and the dispatcher.");
 #else

@@ -127,6 +127,15 @@ uintptr_t storage_key(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.storage().unsafeGetStorageImpl());
 }
 
+size_t storage_use_count(const at::Tensor& t) {
+  c10::StorageImpl* s = impl(t, "storage_use_count");
+  size_t n = t.storage().use_count();
+  // Once Python has seen the storage (untyped_storage()), its Python object lives as long as the
+  // storage and holds a reference of its own: when nothing else holds that object, it is not a user.
+  if (n > 1 && s->pyobj_slot()->has_unique_reference()) --n;
+  return n;
+}
+
 at::Tensor alias_tensor(const at::Tensor& t) {
   c10::StorageImpl* s = impl(t, "alias_tensor");
   return make_view(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(s), t.scalar_type(), t.sizes(), t.strides(),

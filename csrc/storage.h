@@ -64,6 +64,9 @@ class StorageRef {
 
 // The StorageImpl address of `t` (the alias-pool key), or 0 when t has no plain storage.
 uintptr_t storage_key(const at::Tensor& t);
+// How many holders keep the storage of `t` alive: tensors over it (`t` itself is one) and Python
+// storage objects someone holds. 1 means nothing but `t` keeps its buffer alive.
+size_t storage_use_count(const at::Tensor& t);
 // A new TensorImpl sharing t's storage and view metadata, outside autograd and the dispatcher:
 // what a recipe holds to keep a non-recomputable input's value.
 at::Tensor alias_tensor(const at::Tensor& t);

@@ -165,6 +165,7 @@ def memory_stats() -> dict:
     Always: ``budget_bytes``, ``allocated_bytes.current`` / ``.peak``, ``num_allocs``, ``num_frees``,
     ``allocator`` (``"arena"`` or ``"native"``), ``num_ops``, ``num_evictions``, ``evicted_bytes``,
     ``num_rematerializations``, ``remat_seconds``, ``num_invalidations``, ``num_leaf_copies``,
+    ``num_orphaned_leaves`` (inputs freed once only recipes held them, their readers made leaves),
     ``num_retries`` (ops run again after a refused allocation), ``num_records``,
     ``num_pinned_storages`` (shared outside torch, or pinned with ``pymem.pin``) and
     ``num_pins.numpy`` / ``.dlpack`` / ``.cuda array interface`` / ``.shared memory`` / ``.user`` /
@@ -230,6 +231,25 @@ def pinned(*tensors: torch.Tensor) -> Iterator[None]:
     finally:
         for t in tensors:
             unpin(t)
+
+
+@contextlib.contextmanager
+def no_recompute() -> Iterator[None]:
+    """``with pymem.no_recompute():`` — values the block's ops make are kept like parameters: never
+    evicted or recomputed. For state written outside torch's ops (a C extension filling a tensor
+    through ``data_ptr()``), whose recompute would not give its value back. A no-op context while
+    pymem is not enabled."""
+    rt = _current
+    if rt is None:
+        yield
+        return
+    with rt.lock:
+        rt.no_recipes += 1
+    try:
+        yield
+    finally:
+        with rt.lock:
+            rt.no_recipes -= 1
 
 
 def manage_thread():

@@ -85,7 +85,7 @@ def test_native_allocator_has_no_snapshot_and_says_why(managed):
 def test_native_allocator_too_small_a_budget_names_the_op_and_keeps_tensors_valid(managed):
     a = torch.ones(100_000)
     pymem.enable(512 << 10, allocator="native")
-    with torch.no_grad():
+    with pymem.no_recompute():
         b = a * 2  # 400 kB, and no recipe: nothing to release for the next 400 kB
     with pytest.raises(pymem.OutOfBudgetError, match="aten.mul.Tensor needs 400000 B more"):
         c = a * 3  # noqa: F841
@@ -204,7 +204,7 @@ def test_native_allocator_never_picks_an_empty_storage_to_release(managed):
 
 def test_buffers_of_an_earlier_native_run_are_not_charged_to_the_next(managed):
     pymem.enable("1MiB", allocator="native")
-    with torch.no_grad():
+    with pymem.no_recompute():
         kept = torch.ones(200_000)  # 800 kB, made in the first run and outliving it
     pymem.disable()
     pymem.enable("1MiB", allocator="native")

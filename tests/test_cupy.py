@@ -104,7 +104,7 @@ def test_pressure_from_cupy_releases_torch_values_first(fake):
 
 def test_a_cupy_request_that_cannot_fit_names_both_libraries_bytes(fake):
     with managed(MiB) as (rt, alloc):
-        with torch.no_grad():
+        with pymem.no_recompute():
             leaf = torch.ones(64 * KiB)  # 256 KiB PyTorch cannot release (a leaf)
         p = alloc(256 * KiB)
         with pytest.raises(pymem.OutOfBudgetError) as info:

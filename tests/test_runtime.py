@@ -113,7 +113,7 @@ def test_an_input_that_cannot_be_recomputed_in_the_budget_names_the_op(managed):
     a = torch.ones(256, 1024)  # 1 MiB each
     b = a * 3
     pymem.evict(b)
-    with torch.no_grad():  # leaves: never released, so b's recompute finds no room
+    with pymem.no_recompute():  # leaves: never released, so b's recompute finds no room
         x, y = torch.zeros(256, 1024), torch.zeros(256, 1024)
     with pytest.raises(pymem.OutOfBudgetError, match=r"aten\.add\.Tensor needs 1 evicted input\(s\) back "
                                                     r"\(1048576 B\), and recomputing them does not fit") as info:
@@ -141,13 +141,114 @@ def test_enable_errors(managed):
     assert not pymem.is_enabled()
 
 
-def test_leaves_are_never_evicted(managed):
+def test_an_optimizer_step_makes_leaves(managed):
+    """A parameter made from a recomputable op (randn) is recomputable until an optimizer's step
+    writes it: from then on it is state (a leaf), never evicted, though the step runs under no_grad
+    like inference does."""
     pymem.enable(64 * MiB)
-    p = torch.nn.Parameter(torch.randn(100, 100))  # made under no_grad-free code, but a Parameter's init
-    with torch.no_grad():
-        p.mul_(2)  # a state update: p is a leaf from now on
+    p = torch.nn.Parameter(torch.randn(100, 100))
+    pymem.evict(p)  # recomputable so far: the randn replays with its generator state
+    want = p.detach().clone()
+    opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+    (p * p).sum().backward()
+    opt.step()
+    assert torch.equal(p.detach(), want - 0.1 * 2 * want)
     with pytest.raises(ValueError, match="has no recipe"):
         pymem.evict(p)
+    with pytest.raises(ValueError, match="has no recipe"):
+        pymem.evict(opt.state[p]["momentum_buffer"])  # made inside the step
+
+
+def test_no_recompute_makes_leaves(managed):
+    pymem.enable(64 * MiB)
+    a = torch.ones(1000)
+    with pymem.no_recompute():
+        b = a * 2
+        with torch.no_grad():
+            c = b + 1
+    d = b * 3
+    with pytest.raises(ValueError, match="has no recipe"):
+        pymem.evict(b)
+    with pytest.raises(ValueError, match="has no recipe"):
+        pymem.evict(c)
+    pymem.evict(d)  # outside the block: recomputable again
+    assert torch.equal(d, torch.full((1000,), 6.0))
+    pymem.disable()
+    with pymem.no_recompute():  # not enabled: nothing to do
+        pass
+
+
+def test_no_grad_outputs_are_recomputable(managed):
+    """Inference (no_grad, inference_mode) gets recipes like a forward pass: its values are evicted
+    and recomputed bitwise, including those written in place."""
+    pymem.enable(64 * MiB)
+    w = torch.randn(64, 64)
+    x = torch.randn(8, 64)
+    for ctx in (torch.no_grad, torch.inference_mode):
+        with ctx():
+            h = (x @ w).relu_()
+            y = torch.tanh(h) + h
+            want = (h.clone(), y.clone())
+            pymem.evict(h)
+            pymem.evict(y)
+            assert pymem.is_evicted(h) and pymem.is_evicted(y)
+            assert torch.equal(y, want[1]) and torch.equal(h, want[0])
+
+
+def test_an_input_no_tensor_holds_is_freed_with_the_recipes_that_read_it(managed):
+    """An evaluation loop keeps each batch's (small) outputs: unmanaged, each (large) batch is freed
+    once the loop moves on. The recipes of the kept outputs must not hold the batches: once only
+    recipes hold a batch, the outputs become leaves and the batch is freed."""
+    rt = pymem.enable(64 * MiB)
+    w = torch.randn(4096, 4)
+    kept = []
+    with torch.no_grad():
+        for i in range(64):
+            with pymem.no_recompute():  # a leaf, as a batch copied in from host memory is
+                batch = torch.full((256, 4096), float(i))  # 4 MiB each: 256 MiB if all were kept
+            kept.append(batch @ w)  # 4 KiB
+        del batch
+    rt.sweep()
+    assert pymem.memory_stats()["num_orphaned_leaves"] >= 63
+    assert pymem.memory_stats()["allocated_bytes.current"] < 8 * MiB
+    for i, k in enumerate(kept):
+        assert torch.equal(k, torch.full((256, 4096), float(i)) @ w)
+    with pytest.raises(ValueError, match="has no recipe"):
+        pymem.evict(kept[0])  # a leaf now: its input is gone
+
+
+def test_an_input_read_by_larger_kept_values_stays(managed):
+    """The other way round: a small input whose kept outputs are larger stays held by their recipes
+    (freeing it would make the outputs leaves, pinning more than it frees); they stay evictable."""
+    rt = pymem.enable(64 * MiB)
+    with torch.no_grad():
+        with pymem.no_recompute():
+            x = torch.randn(64)
+        big = x.repeat(4096)  # 1 MiB from 256 B
+        del x
+    rt.sweep()
+    assert pymem.memory_stats()["num_orphaned_leaves"] == 0
+    want = big.clone()
+    pymem.evict(big)
+    assert torch.equal(big, want)
+
+
+def test_a_chain_that_keeps_growing_is_cut(managed, monkeypatch):
+    """A loop that extends one value for ever (a generation loop's KV cache) would keep every op it
+    ran reachable through the recipes: past the depth limit, an op's outputs are leaves."""
+    import gc
+
+    from pymem.runtime import records, runtime
+    monkeypatch.setattr(runtime, "_DEPTH_LIMIT", 50)
+    rt = pymem.enable(64 * MiB)
+    cache = torch.zeros(16)
+    with torch.no_grad():
+        for i in range(500):
+            cache = torch.cat([cache[1:], (cache[-1:] + i)])
+    rt.sweep()  # dead storages' records leave the table
+    gc.collect()
+    assert sum(isinstance(o, records.Record) for o in gc.get_objects()) < 200  # 1000 without the limit
+    assert torch.equal(cache, torch.cumsum(torch.arange(500.0), 0)[-16:])
 
 
 @pytest.mark.parametrize("policy", ["dtr", "dtr-local", "lru", "size", "msps", "coop"])
@@ -245,7 +346,7 @@ def test_a_leaf_storage_resized_outside_any_op_keeps_its_dependents_right(manage
 
 
 def test_scattered_leaves_are_moved_to_fit_a_large_request(managed):
-    """Leaves (state made under no_grad) between evictable values split the free bytes; the request
+    """Leaves (state made under pymem.no_recompute) between evictable values split the free bytes; the request
     fits only if the leaves move. Their values, and the recomputed ones, must survive the move."""
     n = 65_536  # 256 KiB per tensor: above the small-region threshold
     nbytes = 4 * n
@@ -253,7 +354,7 @@ def test_scattered_leaves_are_moved_to_fit_a_large_request(managed):
     x = torch.randn(n)
     leaves, acts = [], []
     for i in range(4):
-        with torch.no_grad():
+        with pymem.no_recompute():
             leaves.append(torch.full((n,), float(i)))  # state: never evicted
         acts.append(x * (i + 2))                       # recomputable
     big = torch.cat([x, x, x])                         # 3 tensors' worth in one block

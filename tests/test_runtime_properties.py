@@ -61,7 +61,7 @@ step = st.one_of(
 def run(program, managed: bool):
     """Returns (live tensors, leaf grads, leaf values) of ``program``; evictions only if managed."""
     torch.manual_seed(0)
-    with torch.no_grad():
+    with pymem.no_recompute():  # no recipes: parameters
         leaves = [torch.randn(N, N) / 4, torch.randn(N, N) / 4]
     for w in leaves:
         w.requires_grad_(True)

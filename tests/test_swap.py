@@ -93,8 +93,8 @@ def rt():
 
 
 def _grad_input(n):
-    with torch.no_grad():
-        x = torch.arange(float(n))  # a leaf: made under no_grad
+    with pymem.no_recompute():
+        x = torch.arange(float(n))  # a leaf: no recipe
     return x.requires_grad_()
 
 
@@ -160,7 +160,7 @@ class _Held(torch.Tensor):
 def test_a_prefetch_in_flight_is_given_up_under_pressure():
     rt = pymem.enable(4 * MiB, device="cpu", offload="always", prefetch=True)
     try:
-        with torch.no_grad():
+        with pymem.no_recompute():
             leaf = torch.ones(MiB // 4)  # 1 MiB that can never be released
         x = leaf.clone().requires_grad_()
         a = x + 1  # 1 MiB, recomputable

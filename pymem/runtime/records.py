@@ -7,15 +7,20 @@ as some recipe still needs its value. An in-place op on a recomputable storage s
 record for the storage gets the in-place op as recipe — so recipes that read the old value stay right.
 
 A ``Recipe`` holds the op, its arguments with tensors replaced by ``Slot``s, and per slot an ``ArgRef``:
-a record (recomputable input: strong ref to the record, weak to its storage), a leaf alias (a strong
-tensor: parameters, inputs), or a blank (an input the op overwrites entirely, so its old value is
-never needed).
+a record (recomputable input: strong ref to the record, weak to its storage), a leaf (a strong
+whole-storage tensor: parameters, inputs), or a blank (an input the op overwrites entirely, so its old
+value is never needed). All the recipes that read one leaf share one holder tensor (``Record.hold``):
+when it is the storage's only holder left, no user tensor needs the value any more (see
+``remat.release_orphaned_leaf``).
 """
 import itertools
 from typing import Any, List, Optional, Tuple
 
 import torch
 
+from .. import _C
+
+_StorageRef = _C.StorageRef
 _ids = itertools.count(1)
 
 
@@ -44,8 +49,8 @@ def with_math_bits(v: torch.Tensor, conj: bool, neg: bool) -> torch.Tensor:
 
 class ArgRef:
     """How a recipe gets one tensor argument back: a view (dtype, size, stride, offset, math bits)
-    of a record's value, of a strong leaf alias, or of a blank buffer. ``mutated``: the op writes
-    it, so the recompute must get a private copy."""
+    of a record's value, of a leaf's storage (``leaf``: a strong uint8 tensor over all of it), or of
+    a blank buffer. ``mutated``: the op writes it, so the recompute must get a private copy."""
 
     __slots__ = ("rec", "leaf", "dtype", "size", "stride", "offset", "conj", "neg", "mutated", "blank_nbytes")
 
@@ -65,6 +70,10 @@ class ArgRef:
         """The argument as a view of ``sref`` (a _C.StorageRef)."""
         return with_math_bits(sref.view(self.dtype, self.size, self.stride, self.offset), self.conj, self.neg)
 
+    def leaf_view(self) -> torch.Tensor:
+        """The argument as a view of its leaf's storage."""
+        return self.view(_StorageRef(self.leaf))
+
 
 class Recipe:
     """``func(*args, **kwargs)`` with ``Slot``s for tensors; ``out``: ("ret", i) the i-th flat output,
@@ -83,7 +92,7 @@ class Record:
     """One value of one alias pool; read by policies through the TensorView attributes."""
 
     __slots__ = ("id", "sref", "nbytes", "compute_cost", "last_access", "recipe", "locks", "waits", "need_rank", "evicted",
-                 "in_arena", "children", "lost", "op", "rt", "host", "pins", "__weakref__")
+                 "in_arena", "children", "lost", "op", "rt", "host", "pins", "hold", "depth", "__weakref__")
 
     def __init__(self, rt, sref, nbytes: int, cost: float, now: float, recipe: Optional[Recipe], op,
                  in_arena: bool) -> None:
@@ -105,6 +114,9 @@ class Record:
         self.host = None            # a host copy of the value (swap.py), valid while the record lives
         self.pins = 0               # > 0: its storage is shared outside torch (raw_access.py): never
         #                             released, moved or offloaded
+        self.depth = 0              # longest chain of recipes ending here (0: a leaf)
+        self.hold = None            # a leaf read by recipes: weakref to the one tensor they share
+        #                             to keep its storage (ArgRef.leaf); dies with the last of them
 
     # --- TensorView (what policies read) ---
     @property

@@ -209,7 +209,8 @@ def _recompute(rt, r: Record) -> None:
                     b = bases[a.rec.id] = _base_of(rt, a.rec, private)
                 tensors.append(a.view(b.sref))
             elif a.leaf is not None:
-                tensors.append(rt.allocating(_clone, a.leaf) if a.mutated else a.leaf)
+                v = a.leaf_view()
+                tensors.append(rt.allocating(_clone, v) if a.mutated else v)
             else:  # blank: the op overwrites every byte
                 buf = rt.allocating(_blank, a.blank_nbytes, rt.device)
                 tensors.append(a.view(_C.StorageRef(buf)))
@@ -261,19 +262,9 @@ def invalidate_dependents(rt, leaf: Record, why: str, keep: bool = False) -> Non
     resident first (from the still-valid inputs) and become leaves; the rest are marked lost.
     ``keep``: copy the old value aside whenever a tensor still holds a dependent (see
     _keep_old_value)."""
-    closure: List[Record] = []
-    seen = set()
     direct = [c for c in (w() for w in leaf.children) if c is not None]
     leaf.children = []
-    stack = list(direct)
-    while stack:  # walk through leaves too: a record made a leaf earlier may have older dependents
-        r = stack.pop()
-        if r is None or r.id in seen:
-            continue
-        seen.add(r.id)
-        if r.recipe is not None:
-            closure.append(r)
-        stack.extend(w() for w in r.children)
+    closure = _dependents(direct)
     if not closure or _keep_old_value(rt, leaf, direct, closure, keep):
         return
     # Hold every resident member, then restore the evicted ones that a tensor still references one at a
@@ -290,6 +281,51 @@ def invalidate_dependents(rt, leaf: Record, why: str, keep: bool = False) -> Non
     finally:
         for r in held:
             r.locks -= 1
+    _cut(rt, closure, why)
+
+
+def release_orphaned_leaf(rt, leaf: Record) -> bool:
+    """No user tensor holds ``leaf``'s storage any more, only the recipes that read it (a batch whose
+    outputs the program keeps). Unmanaged, it would be freed now; kept for those recipes, every
+    kept output would hold its inputs for good. So the recipes are dropped — their values become
+    leaves — and the storage dies with them, when that costs no recompute (no dependent is evicted
+    or half-way through a restore) and pins no more bytes than it frees (else the leaf is the
+    cheaper thing to keep: the activations autograd saves from a batch nobody else holds). True
+    when the recipes were dropped."""
+    direct = [c for c in (w() for w in leaf.children) if c is not None]
+    closure = _dependents(direct)
+    pinned = 0
+    for r in closure:
+        if r.evicted or r.waits or r in rt.cache:
+            return False
+        if rt.is_available(r):
+            pinned += r.nbytes
+    if pinned > leaf.nbytes:
+        return False
+    leaf.children = []
+    _cut(rt, closure, f"its input {leaf.op} ({leaf.nbytes} B) was freed: no tensor held it")
+    return True
+
+
+def _dependents(direct: List[Record]) -> List[Record]:
+    """Records whose recipes read ``direct``'s values, directly or through other recipes, them
+    included."""
+    closure: List[Record] = []
+    seen = set()
+    stack = list(direct)
+    while stack:  # walk through leaves too: a record made a leaf earlier may have older dependents
+        r = stack.pop()
+        if r is None or r.id in seen:
+            continue
+        seen.add(r.id)
+        if r.recipe is not None:
+            closure.append(r)
+        stack.extend(w() for w in r.children)
+    return closure
+
+
+def _cut(rt, closure: List[Record], why: str) -> None:
+    """Drop the recipes of ``closure``: resident values become leaves, the rest are lost."""
     for r in closure:
         if r in rt.cache:
             del rt.cache[r]
@@ -323,14 +359,15 @@ def _keep_old_value(rt, leaf: Record, direct: List[Record], closure: List[Record
         copy = rt.allocating(_clone, s.strong())
     except torch.OutOfMemoryError:
         return False
+    # The copy is pymem's own (no Record.hold): it lives exactly as long as the recipes reading it.
     old = rt._new_record(copy, _C.storage_key(copy), 0.0, None, f"old value of {leaf.op}")
-    copy_ref, base = _C.StorageRef(copy), s.data_ptr
+    key = s.key
     for c in direct:
         if c.recipe is None:
             continue
         for a in c.recipe.refs:
-            if a.leaf is not None and _C.StorageRef(a.leaf).data_ptr == base:
-                a.leaf = a.view(copy_ref)
+            if a.leaf is not None and _C.storage_key(a.leaf) == key:
+                a.leaf = copy
         old.children.append(weakref.ref(c))
     rt.num_leaf_copies += 1
     return True

@@ -24,20 +24,26 @@ from .native import cap_for
 from .ops import in_flight, mutated_tensors, op_info
 from .pressure import PressureHandler
 from .compile_warning import CompileWarning
+from .optimizer_steps import OptimizerSteps
 from .raw_access import RawAccess
 from .threads import ThreadCoverage
-from .records import ArgRef, Recipe, Record, Slot, with_math_bits
+from .records import ArgRef, Recipe, Record, Slot
 from .swap import NO_SWAP_STATS, Swapper
 
 _Tensor = torch.Tensor
 _weakref = weakref.ref
 _storage_key = _C.storage_key
 _StorageRef = _C.StorageRef
-_alias = _C.alias_tensor
 _perf = time.perf_counter
 _get_ident = threading.get_ident
 _FOREVER = 1 << 40  # added to a record's pins: no count of unpins takes it back
 _grad_enabled = torch.is_grad_enabled
+_autograd_node = torch._C._current_autograd_node
+_use_count = _C.storage_use_count
+# Longest chain of recipes a value may stand at the end of (a deep model's forward is a few thousand
+# ops). Beyond it an op's outputs are leaves: a loop that keeps extending one value (a generation
+# loop's KV cache, a running sum) would otherwise keep every op it ever ran reachable.
+_DEPTH_LIMIT = 16384
 _SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its recipe up to this size
 ALLOCATORS = ("arena", "native")
 COSTS = ("measured", "estimate")
@@ -236,6 +242,9 @@ class Runtime:
         self.remat_seconds = 0.0
         self.num_invalidations = 0
         self.num_leaf_copies = 0  # overwritten leaves kept aside for their dependents' recipes
+        self.num_orphaned_leaves = 0  # leaves freed when only recipes held them (their readers made leaves)
+        # > 0: ops get no recipes (an optimizer's step() runs, optimizer_steps.py; pymem.no_recompute)
+        self.no_recipes = 0
         self.num_retries = 0
         self.pin_counts: Dict[str, int] = {}  # storages pinned, by why (raw_access.py, pymem.pin)
         if self.arena is not None:
@@ -248,6 +257,7 @@ class Runtime:
         self.threads = ThreadCoverage(self, lambda: _Mode(self))
         self.raw_access = RawAccess(self)
         self.compile_warning = CompileWarning()
+        self.optimizer_step_hooks = OptimizerSteps(self)
         # Tensors on this device are managed; others (the CPU batch of a CUDA run) are left alone.
         self._on_device = operator.attrgetter("is_cpu" if device == "cpu" else "is_cuda")
         self._default_generator = torch.default_generator if device == "cpu" else \
@@ -267,6 +277,7 @@ class Runtime:
         self.threads.install()
         self.raw_access.install()
         self.compile_warning.install()
+        self.optimizer_step_hooks.install()
 
     def stop(self) -> None:
         """Leave the mode, give PyTorch its allocator back, restore every evicted value."""
@@ -274,6 +285,7 @@ class Runtime:
         self.threads.uninstall()
         self.raw_access.uninstall()
         self.compile_warning.uninstall()
+        self.optimizer_step_hooks.uninstall()
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
@@ -317,9 +329,14 @@ class Runtime:
             if r.recipe is not None and any(w() is not None for w in r.children):
                 self.mark_gone(r)
         r = None
+        held = []
         for r in table.values():  # a leaf read every step (the batch) collects dead weakrefs
             if len(r.children) > 64:
                 r.children = [w for w in r.children if w() is not None]
+            if r.hold is not None:
+                held.append(r)
+        for r in held:
+            self._drop_if_orphaned(r)
         self._sweep_at = max(4096, 2 * len(table))
         nb = self.neighbourhood
         if len(nb) > 4 * (len(self.gone) + 64):
@@ -327,6 +344,22 @@ class Runtime:
             for r in sorted(self.gone.values(), key=lambda r: r.id):
                 if nb.is_evicted(r.id):
                     self.neighbourhood.on_evict(r.id, r.compute_cost, r.neighbour_ids())
+
+    def _drop_if_orphaned(self, r: Record) -> None:
+        """Leaf ``r``'s storage is held by recipes only (or by nothing: then its hold is gone):
+        free it if its readers may become leaves (remat.release_orphaned_leaf)."""
+        h = r.hold()
+        if h is None:
+            r.hold = None
+            return
+        if r.pins or _use_count(h) > 1 or not remat.release_orphaned_leaf(self, r):
+            return
+        self.num_orphaned_leaves += 1
+        r.hold = None
+        key = r.sref.key
+        del h  # the recipes that held it are gone: the storage dies here
+        if not r.sref.alive and self.table.get(key) is r:
+            del self.table[key]
 
     def is_available(self, r: Record) -> bool:
         if r in self.cache:
@@ -549,13 +582,15 @@ class Runtime:
                 except _Refused as e:
                     raise self._restore_error(info.name, evicted, e) from None
             self.running.append(recs)
-            # Only ops autograd records (the forward pass) get recipes. State updates (optimizer steps,
-            # parameter init, running averages) run under no_grad: their outputs are the next step's
-            # leaves. So do backward ops (the engine runs them without grad): gradients are leaves
-            # from birth, as the issue's leaf list has it. A gradient's recipe would replay the
-            # backward pass down from the loss — a chain as deep as the model, recomputed for a value
-            # the engine frees a few ops later anyway.
-            recomputable = managed and info.pure and _grad_enabled()
+            # Backward ops get no recipes (the engine runs them in a node of the graph): gradients are
+            # leaves from birth. A gradient's recipe would replay the backward pass down from the loss
+            # (a chain as deep as the model) for a value the engine frees a few ops later anyway. Nor
+            # do optimizer steps: their writes are the next step's leaves, and recipes would chain each
+            # step's state to the last. Everything else does, under no_grad and inference_mode too:
+            # inference below its own live peak needs its activations recomputable. A chain that
+            # grows without end (a KV cache a generation loop extends) is cut at _DEPTH_LIMIT.
+            recomputable = managed and info.pure and not self.no_recipes and (
+                _grad_enabled() or _autograd_node() is None)
             snapshots = None
             mut_recs = mut_slots = None
             if info.mutated or info.collective:
@@ -631,6 +666,13 @@ class Runtime:
             swap.after_op()
 
         refs = targs = tkw = None
+        depth = 0
+        if recomputable:
+            for r in recs:
+                if r.recipe is not None and r.depth >= depth:
+                    depth = r.depth + 1
+            if depth > _DEPTH_LIMIT:  # its outputs are leaves: what they hold of the chain is freed
+                recomputable = False
         if recomputable and (mut_recs or info.fresh_returns):
             refs = self._refs(info, ins, recs, mut_slots, snapshots)
             counter = [0]
@@ -647,6 +689,7 @@ class Runtime:
                     continue
                 recipe = Recipe(func, targs, tkw, refs, ("arg", j), rng) if in_place_refs is not None else None
                 new = Record(self, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
+                new.depth = depth
                 new.pins, r.pins = r.pins, 0  # a pin is the storage's, whichever value it holds
                 r.sref = None  # r is now the old value: no storage, still recomputable by its recipe
                 table[_storage_key(ins[j])] = new
@@ -684,6 +727,7 @@ class Runtime:
             if refs is not None:
                 recipe = Recipe(func, targs, tkw, refs, ("ret", i), rng)
             new = self._new_record(o, key, cost, recipe, info.name)
+            new.depth = depth
             if pin:  # a fresh output it may fill until its wait
                 self.pin_for_good(new, "collective")
             if recipe is not None:
@@ -767,10 +811,11 @@ class Runtime:
         refs = []
         for j, t in enumerate(ins):
             r = recs[j]
-            if snapshots is not None and j in snapshots:
-                refs.append(ArgRef(None, _alias(snapshots[j]), t, True))
-            elif r is None or r.recipe is None:
-                refs.append(ArgRef(None, with_math_bits(_alias(t), t.is_conj(), t.is_neg()), t, False))
+            if snapshots is not None and j in snapshots:  # pymem's own copy: no hold, it dies with the recipe
+                snap = snapshots[j]
+                refs.append(ArgRef(None, _StorageRef(snap).strong(), snap, True))
+            elif r.recipe is None:
+                refs.append(ArgRef(None, self._leaf_hold(r), t, False))
             elif mut_slots is not None and j in mut_slots:
                 if info.overwrites and t.is_contiguous() and t.storage_offset() == 0 and \
                         t.numel() * t.element_size() == r.nbytes:
@@ -780,6 +825,17 @@ class Runtime:
             else:
                 refs.append(ArgRef(r, None, t, False))
         return refs
+
+    @staticmethod
+    def _leaf_hold(r: Record) -> _Tensor:
+        """The tensor through which recipes keep leaf ``r``'s storage: one for all of them, so that
+        when it is the storage's last holder, no user tensor needs the value (sweep)."""
+        w = r.hold
+        h = w() if w is not None else None
+        if h is None:
+            h = r.sref.strong()
+            r.hold = _weakref(h)
+        return h
 
     def _restore_error(self, name: str, evicted, e: OutOfBudgetError) -> OutOfBudgetError:
         return self._op_error(name, e, f"needs {len(evicted)} evicted input(s) back "
@@ -819,6 +875,7 @@ class Runtime:
             "remat_seconds": self.remat_seconds,
             "num_invalidations": self.num_invalidations,
             "num_leaf_copies": self.num_leaf_copies,
+            "num_orphaned_leaves": self.num_orphaned_leaves,
             "num_records": len(self.table),
             "num_pinned_storages": sum(1 for r in self.table.values() if r.pins),
             "num_managed_threads": len(self.threads.managed),
