@@ -11,12 +11,6 @@ from pymem.api import check_cuda_order
 from pymem.runtime.native import CudaCap, requested_bytes
 
 
-@pytest.fixture
-def managed():
-    yield
-    pymem.disable()
-
-
 def test_budget_hook_refuses_past_the_budget_and_counts_frees():
     _C.install_budget_hook(1 << 20)
     try:

@@ -10,12 +10,6 @@ aten = torch.ops.aten
 MiB = 1 << 20
 
 
-@pytest.fixture
-def managed():
-    yield
-    pymem.disable()
-
-
 def counted_flops(fn):
     with FlopCounterMode(display=False) as m:
         fn()

@@ -8,12 +8,6 @@ import pymem
 MiB = 1 << 20
 
 
-@pytest.fixture
-def managed():
-    yield
-    pymem.disable()
-
-
 def test_coop_recomputable_in_place(managed):
     pymem.enable(64 * MiB)
     x1 = torch.ones(100_000)

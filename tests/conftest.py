@@ -1,0 +1,15 @@
+"""Fixtures shared by the test files."""
+import gc
+
+import pytest
+
+import pymem
+
+
+@pytest.fixture
+def managed():
+    """For a test that enables pymem itself: disabled afterwards whatever happened (disable() is a
+    no-op when the test already did it), and what the test left collected."""
+    yield
+    pymem.disable()
+    gc.collect()
