@@ -38,7 +38,7 @@ _perf = time.perf_counter
 _get_ident = threading.get_ident
 _FOREVER = 1 << 40  # added to a record's pins: no count of unpins takes it back
 _grad_enabled = torch.is_grad_enabled
-_autograd_node = torch._C._current_autograd_node
+_graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _use_count = _C.storage_use_count
 # Longest chain of recipes a value may stand at the end of (a deep model's forward is a few thousand
 # ops). Beyond it an op's outputs are leaves: a loop that keeps extending one value (a generation
@@ -582,7 +582,8 @@ class Runtime:
                 except _Refused as e:
                     raise self._restore_error(info.name, evicted, e) from None
             self.running.append(recs)
-            # Backward ops get no recipes (the engine runs them in a node of the graph): gradients are
+            # Backward ops get no recipes (a graph task runs them, its nodes and the sums of their
+            # gradients alike): gradients are
             # leaves from birth. A gradient's recipe would replay the backward pass down from the loss
             # (a chain as deep as the model) for a value the engine frees a few ops later anyway. Nor
             # do optimizer steps: their writes are the next step's leaves, and recipes would chain each
@@ -590,7 +591,7 @@ class Runtime:
             # inference below its own live peak needs its activations recomputable. A chain that
             # grows without end (a KV cache a generation loop extends) is cut at _DEPTH_LIMIT.
             recomputable = managed and info.pure and not self.no_recipes and (
-                _grad_enabled() or _autograd_node() is None)
+                _grad_enabled() or _graph_task_id() < 0)
             snapshots = None
             mut_recs = mut_slots = None
             if info.mutated or info.collective:
