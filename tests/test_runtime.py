@@ -153,6 +153,16 @@ def test_an_optimizer_step_makes_leaves(managed):
         pymem.evict(opt.state[p]["momentum_buffer"])  # made inside the step
 
 
+def test_parameters_initialised_under_pymem_are_leaves(managed):
+    """nn.init fills a fresh parameter in place under no_grad (uniform_): that is state being set,
+    not a value computed, so the parameter is a leaf, as its later in-place updates keep it."""
+    pymem.enable(64 * MiB)
+    lin = torch.nn.Linear(64, 64)
+    for p in (lin.weight, lin.bias):
+        with pytest.raises(ValueError, match="has no recipe"):
+            pymem.evict(p)
+
+
 def test_no_recompute_makes_leaves(managed):
     pymem.enable(64 * MiB)
     a = torch.ones(1000)

@@ -583,15 +583,17 @@ class Runtime:
                     raise self._restore_error(info.name, evicted, e) from None
             self.running.append(recs)
             # Backward ops get no recipes (a graph task runs them, its nodes and the sums of their
-            # gradients alike): gradients are
-            # leaves from birth. A gradient's recipe would replay the backward pass down from the loss
-            # (a chain as deep as the model) for a value the engine frees a few ops later anyway. Nor
-            # do optimizer steps: their writes are the next step's leaves, and recipes would chain each
-            # step's state to the last. Everything else does, under no_grad and inference_mode too:
-            # inference below its own live peak needs its activations recomputable. A chain that
-            # grows without end (a KV cache a generation loop extends) is cut at _DEPTH_LIMIT.
+            # gradients alike): gradients are leaves from birth. A gradient's recipe would replay the
+            # backward pass down from the loss (a chain as deep as the model) for a value the engine
+            # frees a few ops later anyway. Nor do optimizer steps: their writes are the next step's
+            # leaves, and recipes would chain each step's state to the last. Nor does an op that
+            # overwrites a tensor outside autograd (nn.init's uniform_, zero_, copy_ of loaded
+            # weights, a KV cache's slot): that is state being set, not a value computed. Everything
+            # else does, under no_grad and inference_mode too: inference below its own live peak
+            # needs its activations recomputable. A chain that grows without end (a value a loop
+            # keeps extending) is cut at _DEPTH_LIMIT.
             recomputable = managed and info.pure and not self.no_recipes and (
-                _grad_enabled() or _graph_task_id() < 0)
+                _grad_enabled() or (_graph_task_id() < 0 and not info.overwrites))
             snapshots = None
             mut_recs = mut_slots = None
             if info.mutated or info.collective:
@@ -667,18 +669,16 @@ class Runtime:
             swap.after_op()
 
         refs = targs = tkw = None
-        depth = 0
-        if recomputable:
+        depth = 1  # of the chain of recipes the outputs end, when they get recipes
+        if recomputable and (mut_recs or info.fresh_returns):
             for r in recs:
                 if r.recipe is not None and r.depth >= depth:
                     depth = r.depth + 1
-            if depth > _DEPTH_LIMIT:  # its outputs are leaves: what they hold of the chain is freed
-                recomputable = False
-        if recomputable and (mut_recs or info.fresh_returns):
-            refs = self._refs(info, ins, recs, mut_slots, snapshots)
-            counter = [0]
-            targs = tuple(_template(args, counter))
-            tkw = dict(zip(kwargs, _template(kwargs.values(), counter))) if kwargs else _NO_KWARGS
+            if depth <= _DEPTH_LIMIT:  # beyond it the outputs are leaves: the chain they hold is freed
+                refs = self._refs(info, ins, recs, mut_slots, snapshots)
+                counter = [0]
+                targs = tuple(_template(args, counter))
+                tkw = dict(zip(kwargs, _template(kwargs.values(), counter))) if kwargs else _NO_KWARGS
         if mut_recs:
             # Several storages written by one op (foreach, BatchNorm's running stats): recomputing one
             # would redo them all, so the written values become leaves; fresh outputs stay recomputable.
