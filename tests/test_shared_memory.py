@@ -1,4 +1,5 @@
 """Memory shared outside torch (NumPy views, DLPack) is never released or moved while shared."""
+import ctypes
 import gc
 
 import numpy as np
@@ -64,16 +65,20 @@ def test_numpy_views_survive_real_pressure_and_compaction():
     try:
         w = torch.randn(256, 256, requires_grad=True)
         h = torch.randn(256, 256)
-        kept = []
+        kept, addresses = [], []
         for i in range(40):
             h = torch.tanh(h @ w / 16)
             if i % 8 == 0:
                 kept.append((h.detach().numpy(), h.detach().clone().numpy().copy(), h.data_ptr()))
+            elif i % 8 == 4:  # only the address leaves torch, as a C extension would keep it
+                addresses.append((h, h.data_ptr(), h.detach().clone().numpy().copy()))
         h.sum().backward()
         st = pymem.memory_stats()
         for arr, snap, addr in kept:
             assert arr.tobytes() == snap.tobytes()
             assert arr.ctypes.data == addr  # never moved
+        for _, addr, snap in addresses:
+            assert ctypes.string_at(addr, snap.nbytes) == snap.tobytes()
         assert st["num_evictions"] > 0 and st["allocated_bytes.peak"] <= st["budget_bytes"]
     finally:
         pymem.disable()
@@ -93,6 +98,40 @@ def test_pin_pinned_and_unpin(managed):
     with pytest.raises(TypeError, match="takes a tensor"):
         pymem.pin([y])
     assert pymem.memory_stats()["num_pins.user"] == 2
+
+
+def test_data_ptr_pins_once_for_the_storages_life(managed):
+    """A Python ``data_ptr()`` may be kept by a C extension: the value is brought back, then never
+    released or moved; libraries call it again and again to compare addresses, so it pins once."""
+    x = torch.randn(128, 128, requires_grad=True)
+    y = (x * 2).exp()
+    want = y.detach().clone()
+    pymem.evict(y)
+    addr = y.data_ptr()  # brought back, then pinned
+    r = managed.table[pymem._C.storage_key(y)]
+    assert addr == y.data_ptr() == y.detach()[0].data_ptr() and r.pins == 1
+    pymem.evict(y)
+    assert not pymem.is_evicted(y)
+    assert ctypes.string_at(addr, want.nbytes) == want.numpy().tobytes()
+    assert pymem.memory_stats()["num_pins.data_ptr"] == 1
+    pymem.unpin(y)  # the caller only compared: the pin is taken back
+    pymem.evict(y)
+    assert pymem.is_evicted(y) and r.pins == 0
+    y.data_ptr()  # handed out again: pinned again
+    assert r.pins == 1 and pymem.memory_stats()["num_pins.data_ptr"] == 2 and torch.equal(y, want)
+
+
+def test_a_data_ptr_pin_outlives_a_numpy_views_pin(managed):
+    x = torch.randn(128, 128, requires_grad=True)
+    y = x * 2
+    a = y.detach().numpy()
+    y.data_ptr()
+    with pymem.pinned(y):
+        pass
+    del a
+    gc.collect()
+    pymem.evict(y)
+    assert not pymem.is_evicted(y)
 
 
 def test_an_inplace_op_keeps_the_pin_of_its_storage(managed):

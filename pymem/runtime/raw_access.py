@@ -1,6 +1,6 @@
 """A tensor's bytes reached without an aten op: read ones are restored first, shared ones pinned.
 
-Reads. ``t.tolist()``, ``t.data_ptr()``, ``copy.deepcopy(t)``, pickling and ``torch.save`` reach the
+Reads. ``t.tolist()``, ``copy.deepcopy(t)``, pickling and ``torch.save`` reach the
 storage directly, so the dispatch mode never sees them and an evicted value (an empty storage)
 would be read as nothing. While the runtime is active these methods are wrapped: an evicted or
 offloaded value is brought back before the original method runs. ``torch.save`` pickles every
@@ -9,16 +9,22 @@ within a save every value it pickles stays held (unreleasable) until the save re
 
 Exports. ``t.numpy()`` (and ``np.asarray(t)`` through ``__array__``), ``t.__dlpack__()``,
 ``t.__cuda_array_interface__``,
-``torch.utils.dlpack.to_dlpack``, ``t.share_memory_()`` and a ``from_dlpack`` whose tensor lies on
-memory pymem manages hand the storage's address to someone pymem cannot follow. The storage is
-pinned from then on (``Runtime.pin``: never released, moved by compaction or offloaded): until the
-NumPy array (and every view of it) dies, where that can be observed, else for the storage's life.
+``torch.utils.dlpack.to_dlpack``, ``t.share_memory_()``, ``t.data_ptr()`` and a ``from_dlpack``
+whose tensor lies on memory pymem manages hand the storage's address to someone pymem cannot
+follow. The storage is brought back if released, then pinned (``Runtime.pin``: never released,
+moved by compaction or offloaded): until the NumPy array (and every view of it) dies, where that
+can be observed, else for the storage's life.
+
+``data_ptr()`` pins once per storage (``Record.address_out``), not once per call: libraries call it
+to compare addresses (weight tying, cuDNN's flat weights), and a count per call would never come
+back to zero. Its pin is for the storage's life, since a C extension may keep the address;
+``pymem.unpin(t)`` takes it back (code that only compared), and the next ``data_ptr()`` pins again.
 
 Storage resizes. ``UntypedStorage.resize_`` (FSDP frees and regrows parameters with it) destroys the
 value a storage holds without an op: the runtime is told first (``Runtime.before_resize``).
 
-Not covered: a pointer from ``data_ptr()`` kept across ops (the value is right when it is read, but
-compaction may move it later): ``pymem.pin(t)`` is for that.
+Not covered: an address taken inside C++ (an extension's ``tensor.data_ptr()`` on its side of the
+binding): ``pymem.pin(t)`` is for that.
 """
 import contextlib
 import weakref
@@ -32,7 +38,7 @@ from .. import _C
 _Tensor = torch.Tensor
 _storage_key = _C.storage_key
 # Methods of torch.Tensor (or its C base) that read the storage's bytes without an aten op.
-_READERS = ("tolist", "data_ptr", "__deepcopy__", "__reduce_ex__")
+_READERS = ("tolist", "__deepcopy__", "__reduce_ex__")
 # Methods that hand the storage's address out: pinned (reason, whether the result's death unpins).
 _EXPORTERS = {"numpy": ("numpy", True), "__dlpack__": ("dlpack", False), "share_memory_": ("shared memory", False)}
 _MISSING = object()
@@ -63,6 +69,12 @@ class RawAccess:
             if self._held is not None:
                 r.locks += 1
                 self._held.append(r)
+
+    def hand_out_address(self, t) -> None:
+        """``data_ptr()``: brought back, then pinned for the storage's life unless already pinned so."""
+        self.make_readable(t)
+        if isinstance(t, _Tensor):
+            self.rt.pin_address(t)
 
     def export(self, t, reason: str, result=None) -> None:
         """``t``'s storage leaves torch's sight: pinned until ``result`` dies (when given and
@@ -100,6 +112,7 @@ class RawAccess:
     def install(self) -> None:
         for name in _READERS:
             self._wrap_method(name, self._reader(getattr(_Tensor, name)))
+        self._wrap_method("data_ptr", self._address(_Tensor.data_ptr))
         for name, (reason, unpins) in _EXPORTERS.items():
             self._wrap_method(name, self._exporter(getattr(_Tensor, name), reason, unpins))
         interface = _Tensor.__dict__.get("__cuda_array_interface__")  # CuPy, Numba: a property
@@ -146,6 +159,15 @@ class RawAccess:
             return original(self_tensor, *args, **kwargs)
 
         return _named(read, original)
+
+    def _address(self, original):
+        hand_out_address = self.hand_out_address
+
+        def data_ptr(t):
+            hand_out_address(t)
+            return original(t)
+
+        return _named(data_ptr, original)
 
     def _exporter(self, original, reason: str, unpins: bool):
         make_readable, export = self.make_readable, self.export

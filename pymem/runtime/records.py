@@ -92,7 +92,8 @@ class Record:
     """One value of one alias pool; read by policies through the TensorView attributes."""
 
     __slots__ = ("id", "sref", "nbytes", "compute_cost", "last_access", "recipe", "locks", "waits", "need_rank", "evicted",
-                 "in_arena", "children", "lost", "op", "rt", "host", "pins", "hold", "depth", "__weakref__")
+                 "in_arena", "children", "lost", "op", "rt", "host", "pins", "address_out", "hold", "depth",
+                 "__weakref__")
 
     def __init__(self, rt, sref, nbytes: int, cost: float, now: float, recipe: Optional[Recipe], op,
                  in_arena: bool) -> None:
@@ -114,6 +115,7 @@ class Record:
         self.host = None            # a host copy of the value (swap.py), valid while the record lives
         self.pins = 0               # > 0: its storage is shared outside torch (raw_access.py): never
         #                             released, moved or offloaded
+        self.address_out = False    # data_ptr() handed its address out: one of its pins is that
         self.depth = 0              # longest chain of recipes ending here (0: a leaf)
         self.hold = None            # a leaf read by recipes: weakref to the one tensor they share
         #                             to keep its storage (ArgRef.leaf); dies with the last of them

@@ -509,16 +509,27 @@ class Runtime:
         self._add_pins(r, 1, reason)
         return r
 
+    def pin_address(self, t: _Tensor) -> None:
+        """``t.data_ptr()`` was handed out: one pin for the storage's life, taken once (raw_access.py)."""
+        with self.lock:
+            r = self.table.get(_storage_key(t))
+            if r is not None and not r.address_out and self._pin(t, "data_ptr") is not None:
+                r.address_out = True
+
     def pin_for_good(self, r: Record, reason: str) -> None:
         """A pin no unpin ends (a collective's buffer: pymem cannot see when its Work completes)."""
         if r.pins < _FOREVER:
             self._add_pins(r, _FOREVER, reason)
 
-    def unpin_key(self, key: int) -> None:
+    def unpin_key(self, key: int, by_user: bool = False) -> None:
+        """One pin fewer. ``pymem.unpin`` (``by_user``) also ends a ``data_ptr()`` pin: the next
+        ``data_ptr()`` pins again."""
         with self.lock:
             r = self.table.get(key)
             if r is not None and r.pins:
                 self._set_pins(r, r.pins - 1)
+                if by_user:
+                    r.address_out = False
 
     def pin_owner_of(self, addr: int, reason: str) -> None:
         """A storage pymem did not make lies at ``addr`` (a DLPack consumer's tensor on our memory):
@@ -881,7 +892,8 @@ class Runtime:
             "num_pinned_storages": sum(1 for r in self.table.values() if r.pins),
             "num_managed_threads": len(self.threads.managed),
         })
-        for reason in ("numpy", "dlpack", "cuda array interface", "shared memory", "user", "collective"):
+        for reason in ("numpy", "dlpack", "data_ptr", "cuda array interface", "shared memory", "user",
+                       "collective"):
             s[f"num_pins.{reason}"] = self.pin_counts.get(reason, 0)
         s.update(self.swap.stats() if self.swap is not None else NO_SWAP_STATS)
         s.update(_cupy.stats(self))
