@@ -31,7 +31,7 @@ def settings_from_env(environ: Mapping[str, str]) -> Dict[str, object]:
     and the accepted values on anything malformed."""
     from .budget import parse_budget
     from .policies import director_names, policy_names
-    from .runtime.runtime import ALLOCATORS
+    from .runtime.settings import ALLOCATORS
 
     raw = environ.get("PYMEM_BUDGET", "")
     settings: Dict[str, object] = {}

@@ -8,10 +8,9 @@ import torch
 from . import _C, snapshot
 from .budget import parse_budget
 from .cost_model import CostModel
-from .policies import director_names
 from .runtime import Runtime
-from .runtime.hooks import check_cuda_order  # noqa: F401  (part of the API: tested, documented)
-from .runtime.runtime import ALLOCATORS, COSTS
+from .runtime.hooks import check_cuda_order  # part of the API: tested, documented
+from .runtime.settings import check as check_settings
 
 log = logging.getLogger("pymem")
 log.addHandler(logging.NullHandler())  # silent unless the application configures logging
@@ -80,20 +79,10 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     device = _resolve_device(device)
     if allocator is None:
         allocator = "arena"
-    if allocator not in ALLOCATORS:
-        raise ValueError(f"allocator {allocator!r} is not accepted; accepted: "
-                         f"{', '.join(map(repr, ALLOCATORS))}")
     nbytes = parse_budget(budget, device)
-    if not isinstance(sampling, bool):
-        raise ValueError(f"sampling must be True or False, got {sampling!r}")
-    if cost is not None and not isinstance(cost, CostModel) and cost not in COSTS:
-        raise ValueError(f"cost {cost!r} is not accepted; accepted: None (by device), "
-                         f"{', '.join(map(repr, COSTS))}, or a pymem.cost_model.CostModel")
-    if offload is not None and offload not in director_names():
-        raise ValueError(f"offload {offload!r} is not accepted; accepted: None (by device), "
-                         f"{', '.join(map(repr, director_names()))}")
-    if not isinstance(prefetch, bool):
-        raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+    if _current is None:
+        check_cuda_order(device, allocator)  # before anything looks at CUDA
+    check_settings(nbytes, policy, device, allocator, sampling, cost, offload, prefetch)
     settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch)
     if _current is not None:
         if settings == _settings:
@@ -101,7 +90,6 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
         names = ("budget", "policy", "device", "allocator", "sampling", "cost", "offload", "prefetch")
         raise RuntimeError(f"pymem is already enabled with {_describe(names, _settings)}; call pymem.disable() "
                            f"before enabling it with {_describe(names, settings)}")
-    check_cuda_order(device, allocator)
     rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
                  offload=offload, prefetch=prefetch)
     rt.start()
@@ -145,7 +133,7 @@ def disable() -> None:
     finally:
         _last_stats = rt.memory_stats()
         log.info("pymem disabled: peak %d B of %d B, %d evictions, %d rematerializations",
-                 _last_stats.get("allocated_bytes.peak", 0), rt.budget, rt.num_evictions, rt.num_rematerializations)
+                 _last_stats.get("allocated_bytes.peak", 0), rt.budget, rt.residency.num_evictions, rt.residency.num_rematerializations)
 
 
 def is_enabled() -> bool:

@@ -91,9 +91,9 @@ def test_pressure_from_cupy_releases_torch_values_first(fake):
     expected = [torch.sin(x * i).detach() for i in range(8)]
     with managed(6 * MiB) as (rt, alloc):
         values = [torch.sin(x * i) for i in range(8)]  # 8 x 2 x 256 KiB (sin saves x * i), recomputable
-        assert rt.num_evictions == 0
+        assert rt.residency.num_evictions == 0
         p = alloc(3 * MiB)  # does not fit beside them all
-        assert rt.num_evictions > 0 and any(rt.is_evicted(v) for v in values)
+        assert rt.residency.num_evictions > 0 and any(rt.is_evicted(v) for v in values)
         assert rt.lo <= p.ptr < rt.hi
         ctypes.memset(p.ptr, 1, 3 * MiB)
         for v, e in zip(values, expected):  # evicted ones come back, recomputed bitwise
@@ -221,9 +221,9 @@ GPU_RUN = textwrap.dedent("""
     a = cupy.arange(1 << 20, dtype=cupy.float64)  # a CuPy array computed under pymem
     assert rt.lo <= a.data.ptr < rt.hi
     assert float((a * 2).sum()) == float(2 * sum(range(1 << 20)))
-    assert rt.num_evictions == 0
+    assert rt.residency.num_evictions == 0
     big = cupy.ones(120 << 18, dtype=cupy.float32)  # 120 MiB: torch values must go
-    assert rt.num_evictions > 0 and int(cupy.count_nonzero(big)) == 120 << 18
+    assert rt.residency.num_evictions > 0 and int(cupy.count_nonzero(big)) == 120 << 18
     assert all(torch.equal(v.detach().cpu(), e) for v, e in zip(values, expected))
     s = pymem.memory_stats()
     assert s["cupy_bytes.peak"] >= (120 << 20) and s["allocated_bytes.peak"] <= 256 << 20, s

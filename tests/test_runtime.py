@@ -391,8 +391,8 @@ def test_bookkeeping_stays_bounded_over_many_steps(managed):
         opt.step()
         if step >= 100:
             w = early if step < 250 else late
-            w[0], w[1] = max(w[0], len(rt.table)), max(w[1], len(rt.neighbourhood))
-    assert rt.num_evictions > 400, "the budget must force evictions every step"
+            w[0], w[1] = max(w[0], len(rt.table)), max(w[1], len(rt.residency.neighbourhood))
+    assert rt.residency.num_evictions > 400, "the budget must force evictions every step"
     assert late[0] <= early[0] + 64, (early, late)
     assert late[1] <= 1.25 * early[1] + 64, (early, late)
 
@@ -412,7 +412,7 @@ def test_candidate_sampling_scores_about_sqrt_n_candidates(managed):
         rt = pymem.enable(4 * MiB, policy=Counting(), sampling=sampling)
         x = torch.ones(16_384, requires_grad=True)  # 64 KiB values
         keep = [x * i for i in range(100)]          # 6.4 MiB of recomputable values in 4 MiB
-        evictions = rt.num_evictions
+        evictions = rt.residency.num_evictions
         assert all(torch.equal(k, torch.full((16_384,), float(i))) for i, k in enumerate(keep))
         pymem.disable()
         return Counting.calls / evictions

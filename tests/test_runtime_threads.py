@@ -161,3 +161,54 @@ def test_two_threads_under_heavy_pressure_compute_the_right_values():
     for (h, g), (wh, wg) in zip(got, want):
         assert all_bitwise_equal([h, g], [wh, wg])
     assert st["num_evictions"] > 0 and st["allocated_bytes.peak"] <= st["budget_bytes"]
+
+
+class _ScaleBy(torch.autograd.Function):
+    """Multiplies the gradient by ``h`` in backward, and notes the thread that runs it."""
+
+    @staticmethod
+    def forward(ctx, x, h, seen):
+        ctx.h, ctx.seen = h, seen
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.seen.append(threading.get_ident())
+        return g * ctx.h, None, None
+
+
+def _nested_checkpoints(x, h, seen, depth):
+    if depth == 0:
+        return _ScaleBy.apply(x, h, seen).tanh()
+    return torch.utils.checkpoint.checkpoint(_nested_checkpoints, x, h, seen, depth - 1, use_reentrant=True)
+
+
+def test_a_backward_op_on_an_autograd_worker_thread_is_seen():
+    """Reentrant backward passes nested past the engine's depth limit (60) run on a worker thread of
+    the engine. Its ops must go through pymem: there ``g * h`` reads ``h``, evicted, which only the
+    runtime can bring back (unseen, the op would read a released buffer)."""
+    def run(managed: bool):
+        torch.manual_seed(0)
+        x0 = torch.randn(256, 256, requires_grad=True)
+        x = torch.randn(256, 256, requires_grad=True)
+        h = (x0 * 2).exp()  # a recipe: evictable
+        seen = []
+        out = _nested_checkpoints(x, h, seen, 70)
+        if managed:
+            pymem.evict(h)
+            assert pymem.is_evicted(h)
+        out.sum().backward()
+        return x.grad, seen
+
+    want, _ = run(False)
+    rt = pymem.enable("64MB", device="cpu")
+    try:
+        got, seen = run(True)
+        st = pymem.memory_stats()
+        managed_threads = set(rt.threads.managed)
+    finally:
+        pymem.disable()
+        gc.collect()
+    assert seen and seen[0] != threading.get_ident(), "the engine ran this backward on the calling thread"
+    assert seen[0] in managed_threads and st["num_rematerializations"] >= 1
+    assert all_bitwise_equal([got], [want])

@@ -52,12 +52,12 @@ def _median_bandwidth(name):
 
     rt = Runtime(budget_for(name, 0.3), offload="never")
     ratios = []
-    release = rt.release
+    release = rt.residency.release
 
     def spy(r):
         ratios.append(r.nbytes / max(r.compute_cost + r.evicted_ancestor_cost, 1e-9))
         release(r)
-    rt.release = spy
+    rt.residency.release = spy
     rt.start()
     try:
         step = rm.trainer(name)

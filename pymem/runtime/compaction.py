@@ -175,7 +175,7 @@ def compact_for(rt, request: int) -> bool:
         rt.arena.move_block(old, new)
         _relocate(rt, movable, old, new)
     for r in victims:
-        rt.release(r)
+        rt.residency.release(r)
     released = {id(r) for r in victims}
     gone = {a for a, _ in moves} | {a for _, r, a, _ in seg.releasable if id(r) in released}
     slid = _slide(rt, movable, _cheapest_window(seg, gone, request))

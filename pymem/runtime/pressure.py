@@ -115,7 +115,7 @@ class PressureHandler:
                     best, best_key = r, k
         if best is None:  # last resort: a prefetch's buffer, still filling
             return rt.swap.cancel_one() if rt.swap is not None else 0
-        rt.release(best)
+        rt.residency.release(best)
         return best.nbytes
 
     def _release_window(self, request: int) -> bool:
@@ -140,6 +140,6 @@ class PressureHandler:
             return False
         for owner in w.owners:
             r = owners.get(owner)
-            if r is not None and r.locks == 0 and rt.is_available(r):
-                rt.release(r)
+            if r is not None and r.locks == 0 and rt.residency.is_available(r):
+                rt.residency.release(r)
         return True

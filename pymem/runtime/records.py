@@ -92,13 +92,13 @@ class Record:
     """One value of one alias pool; read by policies through the TensorView attributes."""
 
     __slots__ = ("id", "sref", "nbytes", "compute_cost", "last_access", "recipe", "locks", "waits", "need_rank", "evicted",
-                 "in_arena", "children", "lost", "op", "rt", "host", "pins", "address_out", "hold", "depth",
+                 "in_arena", "children", "lost", "op", "home", "host", "pins", "address_out", "hold", "depth",
                  "__weakref__")
 
-    def __init__(self, rt, sref, nbytes: int, cost: float, now: float, recipe: Optional[Recipe], op,
+    def __init__(self, home, sref, nbytes: int, cost: float, now: float, recipe: Optional[Recipe], op,
                  in_arena: bool) -> None:
         self.id = next(_ids)
-        self.rt = rt
+        self.home = home            # the Residency it lives in (residency.py): what its scores read
         self.sref = sref            # _C.StorageRef of the storage holding this value, or None
         self.nbytes = nbytes
         self.compute_cost = cost
@@ -123,14 +123,14 @@ class Record:
     # --- TensorView (what policies read) ---
     @property
     def evicted_neighbour_cost(self) -> float:
-        return self.rt.neighbourhood.neighbour_cost(self.neighbour_ids())
+        return self.home.neighbourhood.neighbour_cost(self.neighbour_ids())
 
     @property
     def evicted_ancestor_cost(self) -> float:
         total, seen, stack = 0.0, set(), list(self.recipe.input_records()) if self.recipe else []
         while stack and len(seen) < 64:
             r = stack.pop()
-            if r.id in seen or self.rt.is_available(r):
+            if r.id in seen or self.home.is_available(r):
                 continue
             seen.add(r.id)
             if r.host is not None:  # comes back by a copy; its own ancestors are not needed
@@ -143,7 +143,7 @@ class Record:
 
     @property
     def swap_cost(self) -> float:
-        return self.nbytes / self.rt.link_bandwidth
+        return self.nbytes / self.home.link_bandwidth
 
     @property
     def has_host_copy(self) -> bool:

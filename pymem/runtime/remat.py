@@ -42,7 +42,7 @@ class _Budget:
 
 def restore(rt, records: Iterable[Record]) -> None:
     """Make every record resident in its own storage (recomputing what is missing)."""
-    targets = [r for r in records if not rt.is_available(r)]
+    targets = [r for r in records if not rt.residency.is_available(r)]
     if targets:
         _replay(rt, targets, _Budget(rt, targets[0]), rank_base=1, nesting=0)
 
@@ -54,7 +54,7 @@ def _plan(rt, targets: List[Record]) -> List[Record]:
     stack = list(targets)
     while stack:
         r = stack.pop()
-        if r.id in need or rt.is_available(r):
+        if r.id in need or rt.residency.is_available(r):
             continue
         if r.host is not None:  # copied back from host memory: its ancestors are not needed
             need[r.id] = r
@@ -105,12 +105,12 @@ def _replay(rt, targets: List[Record], budget: _Budget, rank_base: int, nesting:
     try:
         for i, r in enumerate(order):
             inputs = inputs_of[i]
-            if not rt.is_available(r):
+            if not rt.residency.is_available(r):
                 while True:
-                    missing = [a for a in inputs if not rt.is_available(a)]
+                    missing = [a for a in inputs if not rt.residency.is_available(a)]
                     if not missing:
                         break
-                    held = [a for a in inputs if rt.is_available(a)]
+                    held = [a for a in inputs if rt.residency.is_available(a)]
                     for a in held:
                         a.locks += 1
                     try:
@@ -130,7 +130,7 @@ def _replay(rt, targets: List[Record], budget: _Budget, rank_base: int, nesting:
                     _unwait(a)
                 else:
                     _rank(a, rank_base + n - e[1][e[2]])
-        lost = [r for r in targets if not rt.is_available(r)]
+        lost = [r for r in targets if not rt.residency.is_available(r)]
         if lost:  # released by the last steps' pressure before the caller could lock them
             _replay(rt, lost, budget, rank_base + n + 1, nesting + 1)
     finally:
@@ -190,7 +190,8 @@ def _fill(template, tensors):
 
 def _recompute(rt, r: Record) -> None:
     if r.host is not None:  # offloaded: its copy, not its recipe
-        rt.bring_back(r, *rt.swap.copy_in(r))
+        buf, how = rt.swap.copy_in(r)
+        rt.residency.bring_back(r, buf, rt.clock, how)
         return
     rc = r.recipe
     locked = rc.input_records()
@@ -230,7 +231,8 @@ def _recompute(rt, r: Record) -> None:
             rec.locks -= 1
         rt.running.pop()
     kind, i = rc.out
-    rt.bring_back(r, tensors[i] if kind == "arg" else (out if isinstance(out, torch.Tensor) else _flat(out)[i]))
+    rt.residency.bring_back(r, tensors[i] if kind == "arg" else (out if isinstance(out, torch.Tensor) else _flat(out)[i]),
+                            rt.clock)
 
 
 def _call(rc, args, kwargs):
@@ -269,7 +271,7 @@ def invalidate_dependents(rt, leaf: Record, why: str, keep: bool = False) -> Non
         return
     # Hold every resident member, then restore the evicted ones that a tensor still references one at a
     # time, holding each: no restore can evict a member whose recipe is about to be dropped.
-    held = [r for r in closure if rt.is_available(r)]
+    held = [r for r in closure if rt.residency.is_available(r)]
     for r in held:
         r.locks += 1
     try:
@@ -298,7 +300,7 @@ def release_orphaned_leaf(rt, leaf: Record) -> bool:
     for r in closure:
         if r.evicted or r.waits or r in rt.cache:
             return False
-        if rt.is_available(r):
+        if rt.residency.is_available(r):
             pinned += r.nbytes
     if pinned > leaf.nbytes:
         return False
@@ -331,9 +333,9 @@ def _cut(rt, closure: List[Record], why: str) -> None:
             del rt.cache[r]
         r.recipe = None
         r.children = []
-        if not rt.is_available(r) and r.host is None:  # a host copy still brings it back
+        if not rt.residency.is_available(r) and r.host is None:  # a host copy still brings it back
             r.lost = why
-        rt.neighbourhood_forget(r)
+        rt.residency.forget(r)
 
 
 def _keep_old_value(rt, leaf: Record, direct: List[Record], closure: List[Record],

@@ -15,12 +15,11 @@ from torch.utils._pytree import tree_leaves
 from .. import _C
 from .. import cost_model as _cost_model
 from .. import cupy as _cupy
-from .. import snapshot as _snap
 from ..errors import OutOfBudgetError
-from ..policies import Director, EvictedNeighbourhood, Policy, get_director, get_policy
-from . import compaction, remat
+from ..policies import Policy
+from . import remat, settings as _settings
+from .backends import ArenaBackend, NativeBackend
 from .hooks import CpuHook, CudaLibHook
-from .native import cap_for
 from .ops import in_flight, mutated_tensors, op_info
 from .pressure import PressureHandler
 from .compile_warning import CompileWarning
@@ -28,6 +27,7 @@ from .optimizer_steps import OptimizerSteps
 from .raw_access import RawAccess
 from .threads import ThreadCoverage
 from .records import ArgRef, Recipe, Record, Slot
+from .residency import Residency
 from .swap import NO_SWAP_STATS, Swapper
 
 _Tensor = torch.Tensor
@@ -45,9 +45,6 @@ _use_count = _C.storage_use_count
 # loop's KV cache, a running sum) would otherwise keep every op it ever ran reachable.
 _DEPTH_LIMIT = 16384
 _SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its recipe up to this size
-ALLOCATORS = ("arena", "native")
-COSTS = ("measured", "estimate")
-_NATIVE_RETRIES = 64  # rounds of release-and-retry for one op under the native allocator
 # A refused allocation: pymem's OutOfBudgetError (its subclass), or the CUDA caching allocator's
 # out-of-memory under allocator="native"'s memory fraction. Either leaves a functional op no trace.
 _Refused = torch.OutOfMemoryError
@@ -115,25 +112,6 @@ def _unlist(running: List[list], entry: list) -> None:
             return
 
 
-def _check_device(device: str, allocator: str) -> torch.device:
-    """The runtime's device: the CPU, or one CUDA device. Under allocator="native", "cuda" is fixed
-    to the current device here; under the arena that waits until the arena's hook has replaced
-    PyTorch's CUDA allocator, which must come before anything initialises CUDA."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        dev = None
-    if dev is None or dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {device!r} is not accepted; accepted: 'cpu', 'cuda', 'cuda:N'")
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: CUDA is not available here (no GPU visible, or a "
-                             f"CPU-only torch build); use device='cpu'")
-        if allocator == "native" and dev.index is None:  # the current device: fix it now, once
-            dev = torch.device("cuda", torch.cuda.current_device())
-    return dev
-
-
 class _Mode(TorchDispatchMode):
     """One per thread (a mode's enter/exit state is per instance). After ``disable`` a thread that
     still has it passes ops straight through."""
@@ -165,90 +143,63 @@ class Runtime:
         ``"never"`` on the CPU, where host memory is the very memory the budget caps.
         ``link_bandwidth``: bytes per second of a copy to or from host memory (default: timed once
         per process)."""
-        if allocator not in ALLOCATORS:
-            raise ValueError(f"allocator {allocator!r} is not one of {', '.join(map(repr, ALLOCATORS))}")
-        self.device = _check_device(device, allocator)
-        device = self.device.type
-        if not (cost is None or isinstance(cost, _cost_model.CostModel) or cost in COSTS):
-            raise ValueError(f"cost {cost!r} is not one of {', '.join(map(repr, COSTS))} or a pymem.cost_model.CostModel")
-        # Settings are checked before the hook's prepare, which on CUDA cannot be undone.
-        self.policy: Policy = policy if isinstance(policy, Policy) else get_policy(policy)
-        if offload is None:
-            offload = "never" if self.device.type == "cpu" else "delta"
-        director: Director = offload if isinstance(offload, Director) else get_director(offload)
-        if not isinstance(prefetch, bool):
-            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
-        if link_bandwidth is not None and not (isinstance(link_bandwidth, (int, float)) and link_bandwidth > 0):
-            raise ValueError(f"link_bandwidth must be a positive number of bytes per second, got {link_bandwidth!r}")
-        if allocator == "arena":
-            self.hook = hook if hook is not None else \
-                CpuHook() if device == "cpu" else CudaLibHook(self.device.index)
-            self.hook.prepare()  # first: on CUDA, before anything below initialises it
-            if device == "cuda" and self.device.index is None:
-                self.device = torch.device("cuda", self.hook.index)
+        conf = _settings.check(budget, policy, device, allocator, sampling, cost, offload, prefetch,
+                               link_bandwidth)
+        self.settings = conf
+        self.device = conf.device
+        self.policy: Policy = conf.policy
+        self.allocator = conf.allocator
+        if conf.allocator == "arena":
+            hook = hook if hook is not None else \
+                CpuHook() if not conf.on_cuda else CudaLibHook(self.device.index)
+            hook.prepare()  # first: on CUDA, before anything below initialises it
+            if conf.on_cuda and self.device.index is None:
+                self.device = torch.device("cuda", hook.index)
         elif hook is not None:
             raise ValueError("hook applies to allocator='arena' only")
-        if device == "cuda":
+        if conf.on_cuda:
             torch.cuda.init()  # its generators and the calibration need it
         # An op's cost: its measured wall time (CPU ops are synchronous), or a calibrated FLOP/byte
         # estimate (what CUDA needs: a host timer sees only the launch). Calibrated before the
         # allocator is installed, so its buffers stay out of the budget.
-        if cost is None:
-            cost = "measured" if device == "cpu" else "estimate"
-        if isinstance(cost, _cost_model.CostModel):
-            self.cost_model: Optional[_cost_model.CostModel] = cost
+        if isinstance(conf.cost, _cost_model.CostModel):
+            self.cost_model: Optional[_cost_model.CostModel] = conf.cost
         else:
-            self.cost_model = _cost_model.calibrated(str(self.device)) if cost == "estimate" else None
+            self.cost_model = _cost_model.calibrated(str(self.device)) if conf.cost == "estimate" else None
         # Only directors read a copy's cost; "never" has no use for the timing.
-        self.link_bandwidth = float(link_bandwidth) if link_bandwidth else \
-            _cost_model.host_link_bandwidth(str(self.device)) if director.name != "never" else float("inf")
+        director = conf.director
+        self.link_bandwidth = conf.link_bandwidth or \
+            (_cost_model.host_link_bandwidth(str(self.device)) if director.name != "never" else float("inf"))
         budget -= budget % _C.ALIGNMENT  # the arena's granularity; rounding down keeps the cap hard
         self.budget = budget
-        self.allocator = allocator
-        self.pressure = PressureHandler(self, sampling)
+        self.backend = ArenaBackend(hook, budget) if conf.allocator == "arena" else NativeBackend(self.device, budget)
+        # What other modules and tests read of the backend: the arena (None under "native"), its
+        # address range, and whether its blocks move.
+        self.arena, self.hook, self.can_compact = self.backend.arena, self.backend.hook, self.backend.can_compact
+        self.lo, self.hi, self.main_hi = self.backend.lo, self.backend.hi, self.backend.main_hi
+        self.residency = Residency(self.backend, self.policy.uses_neighbourhood, self.link_bandwidth)
+        self.pressure = PressureHandler(self, conf.sampling)
         # Offloading needs a buffer it can fill beside compute: the arena's (the native allocator
         # offers no way to ask whether a request fits without releasing anything).
         self.swap: Optional[Swapper] = None
         if director.name != "never":
-            self.swap = Swapper(self, director, self.link_bandwidth, prefetch and allocator == "arena",
+            self.swap = Swapper(self, director, self.link_bandwidth, conf.prefetch and conf.allocator == "arena",
                                 headroom=budget // 8)
-        if allocator == "arena":
-            self.arena = self.hook.make_arena(budget)
-            self.can_compact = self.arena.backing != "cuda"  # a CUDA slab's blocks do not move (yet)
-            self.lo, self.hi = self.arena.base, self.arena.base + budget
-            self.main_hi = self.hi - self.arena.small_region_size  # [lo, main_hi): blocks that compact
-            self._small = self.arena.small_threshold
-        else:  # PyTorch's allocator, capped: a refused request is retried after releasing values
-            self.arena = None
-            self.can_compact = False
-            self.native = cap_for(self.device, budget)
-            self.lo = self.hi = self.main_hi = self._small = 0
+        self.residency.swap = self.swap
         # Inputs (records, or leaf tensors) of the kernels running now, innermost last: a kernel may
         # hold their addresses, so compaction leaves them where they are. Locks only stop release.
         self.running: List[list] = []
-        self.neighbourhood = EvictedNeighbourhood()
-        # Records in the neighbourhood, weakly: one no recipe needs any more dies, and the next
-        # rebuild leaves it out (union-find cannot delete, so it is rebuilt when mostly stale).
-        self.gone: "weakref.WeakValueDictionary[int, Record]" = weakref.WeakValueDictionary()
         self.table: Dict[int, Record] = {}   # storage key -> record of the storage's current value
-        # Values recomputed only as inputs (no storage of their own): record -> (StorageRef, tensor).
-        self.cache: Dict[Record, tuple] = {}
+        self.cache = self.residency.cache  # values recomputed only as inputs (residency.py)
         self.clock = 0.0
         self._sweep_at = 4096
         self.num_ops = 0
-        self.num_evictions = 0
-        self.evicted_bytes = 0
-        self.num_rematerializations = 0
-        self.remat_seconds = 0.0
         self.num_invalidations = 0
         self.num_leaf_copies = 0  # overwritten leaves kept aside for their dependents' recipes
         self.num_orphaned_leaves = 0  # leaves freed when only recipes held them (their readers made leaves)
         # > 0: ops get no recipes (an optimizer's step() runs, optimizer_steps.py; pymem.no_recompute)
         self.no_recipes = 0
         self.num_retries = 0
-        self.pin_counts: Dict[str, int] = {}  # storages pinned, by why (raw_access.py, pymem.pin)
-        if self.arena is not None:
-            self.arena.set_pressure_handler(self.pressure)
         self.mode: Optional[_Mode] = None
         self.active = False
         # Bookkeeping of every thread's ops, and the pressure handler, run under this lock; a kernel
@@ -259,18 +210,13 @@ class Runtime:
         self.compile_warning = CompileWarning()
         self.optimizer_step_hooks = OptimizerSteps(self)
         # Tensors on this device are managed; others (the CPU batch of a CUDA run) are left alone.
-        self._on_device = operator.attrgetter("is_cpu" if device == "cpu" else "is_cuda")
-        self._default_generator = torch.default_generator if device == "cpu" else \
+        self._on_device = operator.attrgetter("is_cuda" if conf.on_cuda else "is_cpu")
+        self._default_generator = torch.default_generator if not conf.on_cuda else \
             torch.cuda.default_generators[self.device.index]
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        if self.arena is not None:
-            _snap.attach(self.arena)
-            self.hook.install(self.arena)
-            _cupy.attach(self)  # on CUDA, CuPy (when installed) allocates from the arena too
-        else:
-            self.native.install()
+        self.backend.install(self)
         self.mode = _Mode(self)
         self.mode.__enter__()
         self.active = True
@@ -291,12 +237,7 @@ class Runtime:
             self.mode = None
         if self.swap is not None:
             self.swap.close()  # copies in flight land in the arena first
-        if self.arena is not None:
-            _cupy.detach(self)  # CuPy gets its own allocator back
-            self.hook.uninstall()
-            self.arena.set_pressure_handler(None)
-        else:
-            self.native.uninstall()
+        self.backend.uninstall(self)
         with self.lock:  # an op another thread has in flight finishes its bookkeeping first
             evicted = [r for r in self.table.values() if r.evicted and r.sref.alive]
             remat.restore(self, evicted)
@@ -306,11 +247,9 @@ class Runtime:
     # ------------------------------------------------------------------ records
     def _new_record(self, t: _Tensor, key: int, cost: float, recipe, op: str) -> Record:
         sref = _StorageRef(t)
-        ptr = sref.data_ptr
-        # Releasable by us: above the small region in the arena; any non-empty buffer under the
-        # native allocator (_small is 0 there).
-        in_arena = sref.nbytes > self._small and (self.arena is None or self.lo <= ptr < self.hi)
-        r = Record(self, sref, sref.nbytes, cost, self.clock, recipe, op, in_arena)
+        nbytes = sref.nbytes
+        r = Record(self.residency, sref, nbytes, cost, self.clock, recipe, op,
+                   self.backend.releasable(sref.data_ptr, nbytes))
         table = self.table
         table[key] = r
         if len(table) > self._sweep_at:
@@ -327,7 +266,7 @@ class Runtime:
             r = dead.pop()
             r.host = None  # host memory is not kept for a value no tensor holds
             if r.recipe is not None and any(w() is not None for w in r.children):
-                self.mark_gone(r)
+                self.residency.mark_gone(r)
         r = None
         held = []
         for r in table.values():  # a leaf read every step (the batch) collects dead weakrefs
@@ -338,12 +277,7 @@ class Runtime:
         for r in held:
             self._drop_if_orphaned(r)
         self._sweep_at = max(4096, 2 * len(table))
-        nb = self.neighbourhood
-        if len(nb) > 4 * (len(self.gone) + 64):
-            self.neighbourhood = EvictedNeighbourhood()
-            for r in sorted(self.gone.values(), key=lambda r: r.id):
-                if nb.is_evicted(r.id):
-                    self.neighbourhood.on_evict(r.id, r.compute_cost, r.neighbour_ids())
+        self.residency.rebuild_neighbourhood()
 
     def _drop_if_orphaned(self, r: Record) -> None:
         """Leaf ``r``'s storage is held by recipes only (or by nothing: then its hold is gone):
@@ -360,12 +294,6 @@ class Runtime:
         del h  # the recipes that held it are gone: the storage dies here
         if not r.sref.alive and self.table.get(key) is r:
             del self.table[key]
-
-    def is_available(self, r: Record) -> bool:
-        if r in self.cache:
-            return True
-        s = r.sref
-        return s is not None and not r.evicted and s.alive
 
     def before_resize(self, storage, nbytes: int) -> None:
         """``storage.resize_(nbytes)`` is about to run. No op pymem sees, yet it destroys the value
@@ -392,77 +320,13 @@ class Runtime:
                                                 keep=True)
             else:  # the old value stays recomputable for the recipes that read it, without a storage
                 r.sref = None
-                self.mark_gone(r)
+                self.residency.mark_gone(r)
 
     # ------------------------------------------------------------------ release / restore
-    def release(self, r: Record) -> None:
-        """Free one value's buffer now: offloaded (a host copy brings it back) if the director says
-        so, else evicted (it stays recomputable)."""
-        cached = self.cache.get(r)
-        s = cached[0] if cached is not None else r.sref
-        swap = self.swap
-        offload = swap is not None and swap.wants_offload(r)
-        if offload:
-            swap.copy_out(r, s)
-        history = self._history()
-        if history is not None:
-            history.label_next_free(s.data_ptr, f"pymem {'offload' if offload else 'evict'} {r.op}")
-        if cached is not None:
-            nbytes = r.nbytes
-            del self.cache[r]
-        else:
-            nbytes = r.sref.evict()
-            r.evicted = True
-        if not offload:
-            self.evicted_bytes += nbytes
-            self.num_evictions += 1
-            self.mark_gone(r)
-
-    def mark_gone(self, r: Record) -> None:
-        """r's value left memory (evicted, or its last tensor died): it joins DTR's evicted neighbourhood."""
-        if self.policy.uses_neighbourhood and not self.neighbourhood.is_evicted(r.id):
-            self.neighbourhood.on_evict(r.id, r.compute_cost, r.neighbour_ids())
-            self.gone[r.id] = r
-
-    def bring_back(self, r: Record, tensor: _Tensor, how: str = "rematerialize") -> None:
-        """r's value is in ``tensor`` (recomputed, or copied back): moved into r's own storage if a
-        tensor still holds it, else kept in the recompute cache for the recipes that read it."""
-        sref = r.sref
-        if sref is not None and r.evicted and sref.alive:
-            sref.adopt(tensor)
-            r.evicted = False
-            self.on_rematerialized(r, how=how)
-            return
-        ref = _StorageRef(tensor)
-        if ref.nbytes != r.nbytes:
-            raise RuntimeError(f"pymem: {how} {r.op} gave {ref.nbytes} B, the original held {r.nbytes} B")
-        self.cache[r] = (ref, tensor)
-        self.on_rematerialized(r, ref, how)
-
-    def on_rematerialized(self, r: Record, sref=None, how: str = "rematerialize") -> None:
-        """r's value is back (``how``: rematerialize, swap in, prefetch), in its own storage or
-        (``sref``) in the recompute cache."""
-        history = self._history()
-        if history is not None:
-            s = sref if sref is not None else r.sref
-            history.label_last_alloc(s.data_ptr, f"pymem {how} {r.op}")
-        r.last_access = self.clock
-        self.neighbourhood_forget(r)
-
-    def _history(self):
-        """The arena, when it records a history to label (snapshots); else None."""
-        return self.arena if self.arena is not None and _snap.recording() else None
-
-    def neighbourhood_forget(self, r: Record) -> None:
-        """r's value is back in memory (or no longer recomputable): it leaves the evicted neighbourhood."""
-        if self.neighbourhood.is_evicted(r.id):
-            self.neighbourhood.on_rematerialize(r.id)
-
     def stats_remat(self, seconds: float) -> None:
         """A recompute ran: count it, and advance the logical clock by its cost as for any op, so the
         values of one replay age in the order it made them (staleness stays meaningful)."""
-        self.num_rematerializations += 1
-        self.remat_seconds += seconds
+        self.residency.count_remat(seconds)
         self.clock += seconds
 
     def evict(self, t: _Tensor) -> None:
@@ -482,7 +346,7 @@ class Runtime:
         if r.locks:
             raise ValueError("pymem.evict: this tensor is an input of a running op")
         if not r.evicted:
-            self.release(r)
+            self.residency.release(r)
 
     def restore_for_read(self, r: Record) -> None:
         """Bring r's value back for a read outside any op (raw_access.py). The mode is off meanwhile:
@@ -506,7 +370,7 @@ class Runtime:
             return None
         if r.evicted:
             self.restore_for_read(r)
-        self._add_pins(r, 1, reason)
+        self.residency.add_pins(r, 1, reason)
         return r
 
     def pin_address(self, t: _Tensor) -> None:
@@ -519,7 +383,7 @@ class Runtime:
     def pin_for_good(self, r: Record, reason: str) -> None:
         """A pin no unpin ends (a collective's buffer: pymem cannot see when its Work completes)."""
         if r.pins < _FOREVER:
-            self._add_pins(r, _FOREVER, reason)
+            self.residency.add_pins(r, _FOREVER, reason)
 
     def unpin_key(self, key: int, by_user: bool = False) -> None:
         """One pin fewer. ``pymem.unpin`` (``by_user``) also ends a ``data_ptr()`` pin: the next
@@ -527,7 +391,7 @@ class Runtime:
         with self.lock:
             r = self.table.get(key)
             if r is not None and r.pins:
-                self._set_pins(r, r.pins - 1)
+                self.residency.set_pins(r, r.pins - 1)
                 if by_user:
                     r.address_out = False
 
@@ -541,20 +405,8 @@ class Runtime:
         for r in list(self.table.values()):
             s = r.sref
             if s is not None and not r.evicted and s.data_ptr <= addr < s.data_ptr + r.nbytes:
-                self._add_pins(r, 1, reason)
+                self.residency.add_pins(r, 1, reason)
                 return
-
-    def _add_pins(self, r: Record, n: int, reason: str) -> None:
-        self._set_pins(r, r.pins + n)
-        self.pin_counts[reason] = self.pin_counts.get(reason, 0) + 1
-
-    def _set_pins(self, r: Record, pins: int) -> None:
-        """The arena's block is pinned too: compaction refuses it, and pinned_bytes counts it."""
-        if (r.pins > 0) != (pins > 0) and self.arena is not None and r.sref is not None:
-            addr = r.sref.data_ptr
-            if self.lo <= addr < self.hi:
-                self.arena.set_pinned(addr, pins > 0)
-        r.pins = pins
 
     def is_evicted(self, t: _Tensor) -> bool:
         r = self.table.get(_storage_key(t))
@@ -700,7 +552,7 @@ class Runtime:
                 if self._regrown(r, ins[j], cost, info.name):
                     continue
                 recipe = Recipe(func, targs, tkw, refs, ("arg", j), rng) if in_place_refs is not None else None
-                new = Record(self, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
+                new = Record(self.residency, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
                 new.depth = depth
                 new.pins, r.pins = r.pins, 0  # a pin is the storage's, whichever value it holds
                 r.sref = None  # r is now the old value: no storage, still recomputable by its recipe
@@ -709,7 +561,7 @@ class Runtime:
                     self._link(recs, new)
                     # Gone from memory like an evicted value: DTR's e* must count it, or a chain of
                     # in-place ops (dropout's bernoulli_ then div_) looks as cheap as its last step.
-                    self.mark_gone(r)
+                    self.residency.mark_gone(r)
         elif info.regrown:
             for t in mutated_tensors(info.regrown, args, kwargs):
                 r = table.get(_storage_key(t))
@@ -769,7 +621,7 @@ class Runtime:
             return False
         r.sref = None
         pins, r.pins = r.pins, 0
-        self._set_pins(self._new_record(t, _storage_key(t), cost, None, op), pins)  # the storage's pin
+        self.residency.set_pins(self._new_record(t, _storage_key(t), cost, None, op), pins)  # the storage's pin
         return True
 
     def run_again(self, func, args, kwargs, e: OutOfBudgetError, rng=None):
@@ -778,7 +630,7 @@ class Runtime:
         before refusing, so the arena compacts with the op's inputs movable now, once. A capped
         native allocator releases nothing by itself: release values for the refused request and
         retry, as long as each round releases something."""
-        for round in range(1 if self.arena is not None else _NATIVE_RETRIES):
+        for round in range(self.backend.retries):
             if not self.make_room(e, round):
                 break
             self.num_retries += 1
@@ -803,9 +655,7 @@ class Runtime:
     def make_room(self, e: BaseException, round: int = 0) -> bool:
         """After a refused request (``round``: how many retries it already had): True if something
         was done that may let it through now."""
-        if self.arena is not None:
-            return compaction.defragment_after_failure(self)
-        return self.pressure.release_for(self.native.deficit(e, round))
+        return self.backend.make_room(self, e, round)
 
     @staticmethod
     def _link(recs, new: Record) -> None:
@@ -870,21 +720,17 @@ class Runtime:
 
     # ------------------------------------------------------------------ stats
     def reset_peak_memory_stats(self) -> None:
-        if self.arena is not None:
-            self.arena.reset_peak_memory_stats()
-        else:
-            self.native.reset_peak()
+        self.backend.reset_peak()
 
     def memory_stats(self) -> dict:
-        s = self.arena.stats() if self.arena is not None else self.native.stats()
+        s = self.backend.stats()
         s.update({
             "allocator": self.allocator,
             "num_retries": self.num_retries,
             "num_ops": self.num_ops,
-            "num_evictions": self.num_evictions,
-            "evicted_bytes": self.evicted_bytes,
-            "num_rematerializations": self.num_rematerializations,
-            "remat_seconds": self.remat_seconds,
+        })
+        s.update(self.residency.stats())
+        s.update({
             "num_invalidations": self.num_invalidations,
             "num_leaf_copies": self.num_leaf_copies,
             "num_orphaned_leaves": self.num_orphaned_leaves,
@@ -894,7 +740,7 @@ class Runtime:
         })
         for reason in ("numpy", "dlpack", "data_ptr", "cuda array interface", "shared memory", "user",
                        "collective"):
-            s[f"num_pins.{reason}"] = self.pin_counts.get(reason, 0)
+            s[f"num_pins.{reason}"] = self.residency.pin_counts.get(reason, 0)
         s.update(self.swap.stats() if self.swap is not None else NO_SWAP_STATS)
         s.update(_cupy.stats(self))
         return s

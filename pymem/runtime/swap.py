@@ -236,7 +236,7 @@ class Swapper:
         buf, how = self.copy_in(r)
         s = r.sref
         if s is not None and r.evicted and s.alive:  # else no tensor wants it any more: dropped
-            self.rt.bring_back(r, buf, how)
+            self.rt.residency.bring_back(r, buf, self.rt.clock, how)
 
     def cancel_one(self) -> int:
         """Pressure, and nothing else to release: give up a copy in flight (waits for it). Returns
