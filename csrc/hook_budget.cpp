@@ -6,7 +6,6 @@
 // of the process: a buffer made under the hook may die after uninstall, from any thread.
 #include "hook_budget.h"
 
-#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <mutex>
@@ -14,14 +13,12 @@
 #include <unordered_map>
 #include <utility>
 
-#include "hook_cpu.h"
+#include "allocator_install.h"
 #include "types.h"
 
 namespace pymem {
 
 namespace {
-
-constexpr uint8_t kHookPriority = 200;  // as the arena hook: above anything PyTorch registers
 
 std::mutex g_mutex;  // guards everything below
 // Size and install epoch of every live buffer: only the current install's buffers count against
@@ -29,9 +26,10 @@ std::mutex g_mutex;  // guards everything below
 std::unordered_map<void*, std::pair<size_t, uint64_t>> g_sizes;
 uint64_t g_epoch = 0;
 BudgetHookStats g_stats;
-c10::Allocator* g_inner = nullptr;          // the allocator we wrap (set once, never changes)
+// The allocator we wrap: set at the first install, never changes (buffers of every install die
+// through its deleter, so a later install must wrap the same one).
+c10::Allocator* g_inner = nullptr;
 c10::DeleterFnPtr g_inner_delete = nullptr;
-bool g_installed = false;
 
 void budget_delete(void* ptr) {
   if (!ptr) return;
@@ -101,39 +99,27 @@ BudgetCPUAllocator g_allocator;
 }  // namespace
 
 void install_budget_hook(size_t budget) {
-  if (cpu_hook_arena())
-    throw InvalidArgument("pymem: the arena is installed as the CPU allocator; uninstall it before "
-                          "installing the budget hook (allocator='native')");
-  std::lock_guard<std::mutex> lock(g_mutex);
-  if (!g_installed) {
-    c10::Allocator* current = c10::GetCPUAllocator();
-    if (current != &g_allocator) {
-      if (g_inner && current != g_inner)
-        throw InvalidArgument("pymem: the CPU allocator changed since the budget hook was first installed");
-      if (!current->raw_deleter())
-        throw InvalidArgument("pymem: the CPU allocator in place has no raw deleter; it cannot be wrapped");
-      g_inner = current;
-      g_inner_delete = current->raw_deleter();
+  install_cpu_allocator(CpuHookKind::Budget, &g_allocator, [&](bool fresh, c10::Allocator* replaced) {
+    std::lock_guard<std::mutex> lock(g_mutex);
+    if (fresh) {
+      if (replaced) {  // checked before anything changes: a throw leaves the hook uninstalled
+        if (g_inner && replaced != g_inner)
+          throw InvalidArgument("pymem: the CPU allocator changed since the budget hook was first installed");
+        if (!replaced->raw_deleter())
+          throw InvalidArgument("pymem: the CPU allocator in place has no raw deleter; it cannot be wrapped");
+        g_inner = replaced;
+        g_inner_delete = replaced->raw_deleter();
+      }
+      g_epoch++;  // a fresh install counts only its own buffers, from zero
+      g_stats = BudgetHookStats{};
     }
-    c10::SetCPUAllocator(&g_allocator, kHookPriority);
-    g_installed = true;
-    g_epoch++;  // a fresh install counts only its own buffers, from zero
-    g_stats = BudgetHookStats{};
-  }
-  g_stats.budget = budget;
+    g_stats.budget = budget;
+  });
 }
 
-void uninstall_budget_hook() {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  if (!g_installed) return;
-  if (c10::GetCPUAllocator() == &g_allocator) c10::SetCPUAllocator(g_inner, kHookPriority);
-  g_installed = false;
-}
+void uninstall_budget_hook() { uninstall_cpu_allocator(CpuHookKind::Budget, nullptr); }
 
-bool budget_hook_installed() {
-  std::lock_guard<std::mutex> lock(g_mutex);
-  return g_installed;
-}
+bool budget_hook_installed() { return installed_cpu_hook() == CpuHookKind::Budget; }
 
 BudgetHookStats budget_hook_stats() {
   std::lock_guard<std::mutex> lock(g_mutex);

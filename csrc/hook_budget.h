@@ -22,7 +22,8 @@ struct BudgetHookStats {
 // being served — what set_per_process_memory_fraction does to the CUDA caching allocator. Nothing
 // is released here: the runtime catches the error, releases values and runs the op again.
 // Installing again only changes the budget. A fresh install starts its counters from zero and
-// counts only its own buffers: those of an earlier install stay valid and are not charged to it. Throws InvalidArgument if the arena hook is installed.
+// counts only its own buffers: those of an earlier install stay valid and are not charged to it.
+// Throws InvalidArgument while another hook is installed (allocator_install.h).
 void install_budget_hook(size_t budget);
 // Give PyTorch its allocator back; buffers made meanwhile stay valid and are counted out as they die.
 void uninstall_budget_hook();

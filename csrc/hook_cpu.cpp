@@ -6,7 +6,6 @@
 // deleter must find a live arena. Lookups are lock-free over a fixed array of slots.
 #include "hook_cpu.h"
 
-#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <array>
@@ -15,8 +14,7 @@
 #include <mutex>
 #include <vector>
 
-#include "hook_budget.h"
-#include "py_errors.h"
+#include "allocator_install.h"
 
 namespace pymem {
 
@@ -26,20 +24,18 @@ namespace {
 // bounds enable/disable cycles per process. The deleter tries the active arena first, so the scan
 // over older ones costs only frees of tensors that outlived their runtime.
 constexpr size_t kMaxArenas = 4096;
-// Higher than anything PyTorch registers itself, so the hook wins; uninstall re-registers the
-// previous allocator at the same priority.
-constexpr uint8_t kHookPriority = 200;
 
 std::array<std::atomic<Arena*>, kMaxArenas> g_slots{};
 std::atomic<size_t> g_num_slots{0};
 std::atomic<Arena*> g_active{nullptr};
 std::atomic<uint64_t> g_bad_frees{0};
-std::mutex g_install_mutex;                 // guards the three below
+// Guards the two below. Written only under the install lock too (allocator_install.h), which
+// orders installs; this one lets cpu_hook_arena read without it.
+std::mutex g_owner_mutex;
 // Keeps every installed arena alive, even through exit (never destroyed): a tensor freed by another
 // library's static destructor must still find its arena.
 auto* const g_arenas = new std::vector<std::shared_ptr<Arena>>;
 std::shared_ptr<Arena> g_active_owner;
-c10::Allocator* g_previous = nullptr;
 
 void delete_fn(void* ptr) {
   if (!ptr) return;  // c10 may hand back the null DataPtr of a 0-byte allocation
@@ -87,15 +83,6 @@ ArenaCPUAllocator g_allocator;
 
 }  // namespace
 
-void raise_out_of_budget_in_allocator(const OutOfBudget& e) {
-  if (Py_IsInitialized()) {
-    pybind11::gil_scoped_acquire gil;
-    set_python_out_of_budget(e);
-    throw pybind11::error_already_set();  // PyTorch's op wrappers restore it as-is
-  }
-  TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
-}
-
 bool is_cpu_hook_buffer(const void* data, const void* context, void (*deleter)(void*)) {
   return data != nullptr && data == context && deleter == &delete_fn;
 }
@@ -105,38 +92,35 @@ void install_cpu_hook(std::shared_ptr<Arena> arena) {
   if (std::string(arena->backing_kind()) != "host")
     throw InvalidArgument(std::string("the CPU hook needs a 'host' arena (tensors must be able to touch "
                                       "their bytes), got a '") + arena->backing_kind() + "' arena");
-  if (budget_hook_installed())
-    throw InvalidArgument("pymem: the budget hook (allocator='native') is installed as the CPU allocator; "
-                          "uninstall it before installing an arena");
-  std::lock_guard<std::mutex> lock(g_install_mutex);
-  bool known = false;
-  for (const auto& a : *g_arenas) known |= (a == arena);
-  if (!known) {
-    const size_t n = g_num_slots.load();
-    if (n == kMaxArenas)
-      throw InvalidArgument("pymem: at most " + std::to_string(kMaxArenas) +
-                            " distinct arenas can be installed as the CPU allocator in one process");
-    g_arenas->push_back(arena);
-    g_slots[n].store(arena.get(), std::memory_order_release);
-    g_num_slots.store(n + 1, std::memory_order_release);
-  }
-  g_active.store(arena.get(), std::memory_order_release);
-  g_active_owner = std::move(arena);
-  if (c10::GetCPUAllocator() != &g_allocator) {
-    g_previous = c10::GetCPUAllocator();
-    c10::SetCPUAllocator(&g_allocator, kHookPriority);
-  }
+  install_cpu_allocator(CpuHookKind::Arena, &g_allocator, [&](bool, c10::Allocator*) {
+    std::lock_guard<std::mutex> lock(g_owner_mutex);
+    bool known = false;
+    for (const auto& a : *g_arenas) known |= (a == arena);
+    if (!known) {
+      const size_t n = g_num_slots.load();
+      if (n == kMaxArenas)
+        throw InvalidArgument("pymem: at most " + std::to_string(kMaxArenas) +
+                              " distinct arenas can be installed as the CPU allocator in one process");
+      g_arenas->push_back(arena);
+      g_slots[n].store(arena.get(), std::memory_order_release);
+      g_num_slots.store(n + 1, std::memory_order_release);
+    }
+    // Before the allocator is registered: its first allocate finds the arena.
+    g_active.store(arena.get(), std::memory_order_release);
+    g_active_owner = arena;
+  });
 }
 
 void uninstall_cpu_hook() {
-  std::lock_guard<std::mutex> lock(g_install_mutex);
-  if (c10::GetCPUAllocator() == &g_allocator && g_previous) c10::SetCPUAllocator(g_previous, kHookPriority);
-  g_active.store(nullptr, std::memory_order_release);
-  g_active_owner.reset();
+  uninstall_cpu_allocator(CpuHookKind::Arena, [] {
+    std::lock_guard<std::mutex> lock(g_owner_mutex);
+    g_active.store(nullptr, std::memory_order_release);
+    g_active_owner.reset();
+  });
 }
 
 std::shared_ptr<Arena> cpu_hook_arena() {
-  std::lock_guard<std::mutex> lock(g_install_mutex);
+  std::lock_guard<std::mutex> lock(g_owner_mutex);
   return g_active_owner;
 }
 

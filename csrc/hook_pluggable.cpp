@@ -1,7 +1,6 @@
 // hook_pluggable.cpp — see hook_pluggable.h.
 #include "hook_pluggable.h"
 
-#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <atomic>
@@ -10,9 +9,8 @@
 #include <sys/types.h>
 #include <vector>
 
+#include "allocator_install.h"
 #include "cuda_lib.h"
-#include "hook_budget.h"
-#include "hook_cpu.h"
 
 namespace pymem {
 
@@ -51,9 +49,6 @@ using FreeFn = void (*)(void*, ssize_t, int, void*);
 std::atomic<AllocFn> g_alloc{nullptr};
 // The last free function installed: tensors outlive the install, and all go back through it.
 std::atomic<FreeFn> g_free{nullptr};
-std::mutex g_install_mutex;
-c10::Allocator* g_previous = nullptr;
-constexpr uint8_t kHookPriority = 200;  // as hook_cpu.cpp
 
 void pluggable_delete(void* ptr) {
   if (ptr) g_free.load(std::memory_order_acquire)(ptr, 0, 0, nullptr);
@@ -92,21 +87,14 @@ uintptr_t arena_block_provider(std::shared_ptr<Arena> arena) {
 
 void install_pluggable_cpu_hook(uintptr_t alloc_fn, uintptr_t free_fn) {
   if (!alloc_fn || !free_fn) throw InvalidArgument("install_pluggable_cpu_hook needs alloc and free functions");
-  if (cpu_hook_arena() || budget_hook_installed())
-    throw InvalidArgument("pymem: another pymem CPU allocator is installed; uninstall it first");
-  std::lock_guard<std::mutex> lock(g_install_mutex);
-  g_free.store(reinterpret_cast<FreeFn>(free_fn), std::memory_order_release);
-  g_alloc.store(reinterpret_cast<AllocFn>(alloc_fn), std::memory_order_release);
-  if (c10::GetCPUAllocator() != &g_allocator) {
-    g_previous = c10::GetCPUAllocator();
-    c10::SetCPUAllocator(&g_allocator, kHookPriority);
-  }
+  install_cpu_allocator(CpuHookKind::Pluggable, &g_allocator, [&](bool, c10::Allocator*) {
+    g_free.store(reinterpret_cast<FreeFn>(free_fn), std::memory_order_release);
+    g_alloc.store(reinterpret_cast<AllocFn>(alloc_fn), std::memory_order_release);
+  });
 }
 
 void uninstall_pluggable_cpu_hook() {
-  std::lock_guard<std::mutex> lock(g_install_mutex);
-  if (c10::GetCPUAllocator() == &g_allocator && g_previous) c10::SetCPUAllocator(g_previous, kHookPriority);
-  g_alloc.store(nullptr, std::memory_order_release);
+  uninstall_cpu_allocator(CpuHookKind::Pluggable, [] { g_alloc.store(nullptr, std::memory_order_release); });
 }
 
 uintptr_t call_pluggable_alloc(uintptr_t alloc_fn, size_t nbytes, int device, uintptr_t stream) {

@@ -21,7 +21,7 @@ uintptr_t arena_block_provider(std::shared_ptr<Arena> arena);
 
 // Routes every later CPU allocation to alloc_fn(size, 0, nullptr) and its free to
 // free_fn(ptr, size, 0, nullptr): the signatures of CUDAPluggableAllocator's entry points.
-// Refused while another pymem CPU allocator is installed.
+// Throws InvalidArgument while another hook is installed (allocator_install.h).
 void install_pluggable_cpu_hook(uintptr_t alloc_fn, uintptr_t free_fn);
 // Gives PyTorch back the allocator it had; tensors made meanwhile are still freed through free_fn.
 void uninstall_pluggable_cpu_hook();

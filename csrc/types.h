@@ -1,8 +1,8 @@
 // types.h — every structure of the pymem arena, documented once.
 //
 // The arena core (arena.cpp, placement.cpp, window.cpp, backing.cpp) knows nothing of torch or
-// Python. Only hook_cpu.cpp and the bindings include torch/pybind11 headers; cuda_lib.cpp is a plain
-// C-ABI library. Everything here is plain C++17.
+// Python. Only the allocator hooks (allocator_install.cpp, hook_*.cpp), storage.cpp and the bindings
+// include torch/pybind11 headers; cuda_lib.cpp is a plain C-ABI library. Everything here is plain C++17.
 #pragma once
 
 #include <cstddef>
@@ -98,6 +98,14 @@ struct ArenaStats {
   // Coop's fragmentation measure: sum over pressure events of free_bytes / budget.
   double pressure_free_ratio_sum = 0.0;
 };
+
+// Which of pymem's CPU allocator hooks holds PyTorch's CPU allocator slot (allocator_install.h).
+// At most one at a time: each wraps or replaces the allocator in place, so a second would wrap the
+// first, and uninstalling them out of order would restore the wrong one.
+//   Arena:     an Arena is the CPU allocator (hook_cpu.h, allocator="arena")
+//   Budget:    PyTorch's own CPU allocator, capped at a budget (hook_budget.h, allocator="native")
+//   Pluggable: CUDAPluggableAllocator-style alloc/free functions (hook_pluggable.h; tests, on CPU)
+enum class CpuHookKind : uint8_t { None = 0, Arena = 1, Budget = 2, Pluggable = 3 };
 
 // Raised when a request cannot be met even after everything releasable was released.
 struct OutOfBudget : std::runtime_error {

@@ -45,6 +45,26 @@ def test_budget_hook_and_arena_hook_exclude_each_other():
         pymem.uninstall_cpu_hook()
 
 
+def test_pluggable_hook_and_the_other_hooks_exclude_each_other():
+    # Addresses that are never called: nothing allocates a CPU tensor while the hook is installed.
+    _C.install_pluggable_cpu_hook(1, 2)
+    try:
+        with pytest.raises(ValueError, match="the pluggable CPU hook is installed.*before installing an arena"):
+            pymem.install_cpu_hook(pymem.Arena(1 << 20))
+        with pytest.raises(ValueError, match="the pluggable CPU hook is installed.*before installing the budget hook"):
+            _C.install_budget_hook(1 << 20)
+    finally:
+        _C.uninstall_pluggable_cpu_hook()
+    pymem.install_cpu_hook(pymem.Arena(1 << 20))
+    try:
+        with pytest.raises(ValueError, match="the arena is installed.*before installing the pluggable CPU hook"):
+            _C.install_pluggable_cpu_hook(1, 2)
+    finally:
+        pymem.uninstall_cpu_hook()
+    assert pymem.cpu_hook_arena() is None and not _C.budget_hook_installed()
+    assert torch.ones(1000).sum() == 1000  # PyTorch's allocator is back
+
+
 def test_native_allocator_keeps_the_budget_by_releasing_and_retrying(managed):
     torch.manual_seed(0)
     w = torch.randn(128, 128, requires_grad=True)

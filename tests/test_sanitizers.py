@@ -13,6 +13,7 @@ import sysconfig
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# setup.py's EXT_SOURCES less the torch side (allocator_install, hook_*, storage): those need libtorch.
 SOURCES = ["arena.cpp", "compact.cpp", "history.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "window.cpp", "backing.cpp",
            "bench.cpp", "bindings_arena.cpp", "bindings.cpp"]
 
