@@ -3,7 +3,7 @@
     python bench/remat_bench.py [--json FILE] [--quick] [--threads 2] [--steps N] [--warmup N]
 
 For each model ("transformer": TinyGPT; "cnn": a small ResNet-like net with BatchNorm; "tree": a
-recursion over a data-dependent binary tree of 4 KiB activations, tiny ops; the last two defined
+recursion over a data-dependent binary tree of 32 KiB activations, small ops; the last two defined
 here), in one process:
   1. the unmanaged peak: model + Adam + fixed data built and trained (warmup + N steps) under a
      plain 8 GiB arena installed as the CPU allocator (`pymem.install_cpu_hook`, small_threshold=0);
@@ -577,7 +577,7 @@ def main():
     g.add_argument("--cnn-size", type=int, default=64, help="image side")
     g = ap.add_argument_group("tree")
     g.add_argument("--tree-leaves", type=int, default=128)
-    g.add_argument("--tree-rows", type=int, default=16, help="rows of each node's activation")
+    g.add_argument("--tree-rows", type=int, default=128, help="rows of each node's activation")
     g.add_argument("--tree-d", type=int, default=64)
     g.add_argument("--tree-vocab", type=int, default=256)
     if ap.parse_known_args()[0].quick:  # smaller defaults; options given explicitly still win
