@@ -49,3 +49,34 @@ def test_compile_after_disable_compiles_again():
     f = torch.compile(lambda x: x.sin() + 1, backend=backend)
     x = torch.randn(16)
     assert torch.equal(f(x), x.sin() + 1) and len(calls) == 1  # traced: pymem left nothing behind
+
+
+def test_dynamo_never_traces_pymems_own_frames():
+    """Inside its own dispatch the mode is off the stack: without pymem's guard, a compiled caller's
+    frame callback compiled pymem's kernel calls into graphs (5 here). The guard costs far less than
+    torch's _disable_dynamo wrapper, which pymem's mode opts out of."""
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def helper(x):
+        return torch.tanh(x) * 2
+
+    @torch.compile(backend=backend)
+    def f(x):
+        return helper(x).sum(), x.exp()
+
+    x = torch.randn(64, 64, requires_grad=True)
+    pymem.enable(budget="32MB", device="cpu")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                s, e = f(x)
+                (s + e.sum()).backward()
+    finally:
+        pymem.disable()
+    assert graphs == []
