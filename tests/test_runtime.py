@@ -1,5 +1,7 @@
 """The runtime's contract on small cases: Coop's in-place check, RNG replay, BatchNorm state never
 re-run, shape queries never restore, the too-small-budget error, disable() restoring everything."""
+import gc
+
 import pytest
 import torch
 
@@ -419,3 +421,23 @@ def test_candidate_sampling_scores_about_sqrt_n_candidates(managed):
 
     full, sampled = run(False), run(True)  # scores per eviction (compaction plans score too)
     assert sampled < full / 4, (full, sampled)
+
+
+def test_the_heap_is_frozen_for_the_collector_while_enabled_and_thawed_after():
+    """pymem's per-op objects make the cyclic collector run; frozen, the objects from before enable
+    (torch's modules) are not walked by each full collection. A program's own freeze is left alone."""
+    assert gc.get_freeze_count() == 0
+    pymem.enable("64MB", device="cpu")
+    try:
+        assert gc.get_freeze_count() > 0
+    finally:
+        pymem.disable()
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        pymem.enable("64MB", device="cpu")
+        pymem.disable()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -23,6 +23,7 @@ from .hooks import CpuHook, CudaLibHook
 from .ops import in_flight, mutated_tensors, op_info
 from .pressure import PressureHandler
 from .compile_warning import CompileWarning
+from .heap_freeze import HeapFreeze
 from .optimizer_steps import OptimizerSteps
 from .raw_access import RawAccess
 from .threads import ThreadCoverage
@@ -229,6 +230,7 @@ class Runtime:
         self.raw_access = RawAccess(self)
         self.compile_warning = CompileWarning()
         self.optimizer_step_hooks = OptimizerSteps(self)
+        self.heap_freeze = HeapFreeze()
         # Tensors on this device are managed; others (the CPU batch of a CUDA run) are left alone.
         self._on_device = operator.attrgetter("is_cuda" if conf.on_cuda else "is_cpu")
         self._default_generator = torch.default_generator if not conf.on_cuda else \
@@ -244,6 +246,7 @@ class Runtime:
         self.raw_access.install()
         self.compile_warning.install()
         self.optimizer_step_hooks.install()
+        self.heap_freeze.install()
 
     def stop(self) -> None:
         """Leave the mode, give PyTorch its allocator back, restore every evicted value."""
@@ -252,6 +255,7 @@ class Runtime:
         self.raw_access.uninstall()
         self.compile_warning.uninstall()
         self.optimizer_step_hooks.uninstall()
+        self.heap_freeze.uninstall()
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
