@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import pymem
+from pymem.testing import bitwise_equal
 
 MiB = 1 << 20
 
@@ -441,3 +442,35 @@ def test_the_heap_is_frozen_for_the_collector_while_enabled_and_thawed_after():
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+
+
+def test_a_model_of_small_tensors_trains_bitwise_below_its_peak():
+    """4 KiB activations are below the arena's small-block threshold; once the small region is full
+    they lie in the main region, and must be releasable there, or such a model can release nothing
+    (before: OutOfBudgetError even at its own peak)."""
+    def run():
+        torch.manual_seed(0)
+        w = torch.randn(16, 16, requires_grad=True)
+        h = torch.randn(64, 16)
+        for _ in range(64):
+            h = torch.tanh(h @ w)  # 64x16 float32: 4 KiB
+        h.sum().backward()
+        return w.grad
+
+    want = run()
+    from pymem import _C
+    arena = _C.Arena(1 << 26, backing="host", small_threshold=0)  # the unmanaged peak, one region
+    _C.install_cpu_hook(arena)
+    try:
+        run()
+        peak = arena.stats()["allocated_bytes.peak"]
+    finally:
+        _C.uninstall_cpu_hook()
+    pymem.enable(int(peak * 0.6), device="cpu")
+    try:
+        got = run()
+        st = pymem.memory_stats()
+    finally:
+        pymem.disable()
+    assert st["num_evictions"] > 0 and st["allocated_bytes.peak"] <= st["budget_bytes"]
+    assert bitwise_equal(got, want)

@@ -51,9 +51,11 @@ class ArenaBackend:
         self.arena.reset_peak_memory_stats()
 
     def releasable(self, ptr: int, nbytes: int) -> bool:
-        """A buffer the arena holds above its small region: the policy may release it (a small
-        block, or memory from before ``enable``, is left where it is)."""
-        return nbytes > self.small and self.lo <= ptr < self.hi
+        """A buffer of the arena's main region, whatever its size: the policy may release it. Blocks
+        of the small region are never scanned by eviction (csrc/arena.h), and memory from before
+        ``enable`` is not the arena's. A small request that found its region full lies in the main
+        region: releasable, or a model of small tensors could release nothing at all."""
+        return self.lo <= ptr < self.main_hi
 
     def set_pinned(self, ptr: int, pinned: bool) -> None:
         """Compaction refuses a pinned block, and ``pinned_bytes`` counts it."""
