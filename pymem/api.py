@@ -10,7 +10,7 @@ from .budget import parse_budget
 from .cost_model import CostModel
 from .runtime import Runtime
 from .runtime.hooks import check_cuda_order  # part of the API: tested, documented
-from .runtime.settings import check as check_settings
+from .runtime.settings import check as check_settings, check_choices
 
 log = logging.getLogger("pymem")
 log.addHandler(logging.NullHandler())  # silent unless the application configures logging
@@ -79,9 +79,10 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     device = _resolve_device(device)
     if allocator is None:
         allocator = "arena"
+    check_choices(policy, allocator, sampling, cost, offload, prefetch)
     nbytes = parse_budget(budget, device)
     if _current is None:
-        check_cuda_order(device, allocator)  # before anything looks at CUDA
+        check_cuda_order(device, allocator)  # before the device is looked at
     check_settings(nbytes, policy, device, allocator, sampling, cost, offload, prefetch)
     settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch)
     if _current is not None:

@@ -228,3 +228,13 @@ def test_buffers_of_an_earlier_native_run_are_not_charged_to_the_next(managed):
     del kept  # freed later, into the first run's count: this run's count is untouched
     assert pymem.memory_stats()["allocated_bytes.current"] == 800_000
     assert y.sum().item() == 200_000
+
+
+def test_a_bad_argument_is_named_before_the_cuda_order_is_checked(monkeypatch):
+    """A typo gets its own error even in a process whose CUDA is initialised already."""
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    with pytest.raises(ValueError, match="cost 'bogus' is not accepted"):
+        pymem.enable("1GB", device="cuda", cost="bogus")
+    with pytest.raises(ValueError, match="allocator 'slab' is not accepted"):
+        pymem.enable("1GB", device="cuda", allocator="slab")
+    assert not pymem.is_enabled()

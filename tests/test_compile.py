@@ -80,3 +80,19 @@ def test_dynamo_never_traces_pymems_own_frames():
     finally:
         pymem.disable()
     assert graphs == []
+
+
+def test_fullgraph_under_pymem_says_a_dispatch_mode_is_present():
+    """The mode's own dispatch frame is on Dynamo's skip list: fullgraph=True fails with torch's
+    reason, not with an unsupported call deep inside pymem's frame."""
+    torch._dynamo.reset()
+    f = torch.compile(lambda x: x.sin() + 1, backend="eager", fullgraph=True)
+    pymem.enable(budget="32MB", device="cpu")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with pytest.raises(Exception) as caught:
+                f(torch.randn(64))
+    finally:
+        pymem.disable()
+    assert "dispatch mode present" in str(caught.value) and "pymem/runtime" not in str(caught.value)

@@ -442,6 +442,15 @@ def test_the_heap_is_frozen_for_the_collector_while_enabled_and_thawed_after():
         assert gc.get_freeze_count() == frozen
     finally:
         gc.unfreeze()
+    pymem.enable("64MB", device="cpu")  # the program freezes too while pymem runs (before a fork)
+    try:
+        gc.freeze()
+    finally:
+        pymem.disable()
+    try:
+        assert gc.get_freeze_count() > 0  # its freeze stays
+    finally:
+        gc.unfreeze()
 
 
 def test_a_model_of_small_tensors_trains_bitwise_below_its_peak():

@@ -121,6 +121,44 @@ def test_data_ptr_pins_once_for_the_storages_life(managed):
     assert r.pins == 1 and pymem.memory_stats()["num_pins.data_ptr"] == 2 and torch.equal(y, want)
 
 
+def test_data_ptr_keeps_one_pin_across_in_place_ops(managed):
+    """An in-place op gives the storage a new record; its data_ptr() pin goes with it."""
+    x = torch.randn(128, 128, requires_grad=True)
+    y = (x * 2).clone()
+    for _ in range(3):
+        y.add_(1.0)
+        y.data_ptr()
+    r = managed.table[pymem._C.storage_key(y)]
+    assert r.pins == 1 and pymem.memory_stats()["num_pins.data_ptr"] == 1
+    pymem.unpin(y)
+    assert r.pins == 0
+
+
+def test_torchs_own_address_comparisons_do_not_pin():
+    """allow_mutation_on_saved_tensors calls data_ptr() on every saved tensor to compare addresses:
+    pinned, no activation could be released, and this run failed at a budget it fits."""
+    from torch.autograd.graph import allow_mutation_on_saved_tensors
+
+    def run(ctx):
+        torch.manual_seed(0)
+        w = torch.randn(256, 256, requires_grad=True)
+        h = torch.randn(256, 256)
+        with ctx():
+            for _ in range(40):
+                h = torch.tanh(h @ w / 16)
+            h.sum().backward()
+        return w.grad
+
+    want = run(allow_mutation_on_saved_tensors)
+    pymem.enable("8MB", device="cpu")
+    try:
+        got = run(allow_mutation_on_saved_tensors)
+        st = pymem.memory_stats()
+    finally:
+        pymem.disable()
+    assert st["num_evictions"] > 0 and st["num_pins.data_ptr"] == 0 and torch.equal(got, want)
+
+
 def test_a_data_ptr_pin_outlives_a_numpy_views_pin(managed):
     x = torch.randn(128, 128, requires_grad=True)
     y = x * 2

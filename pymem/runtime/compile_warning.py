@@ -21,11 +21,16 @@ class CompileWarning:
     def __init__(self) -> None:
         self._cls = self._original = None
 
-    def install(self) -> None:
+    def install(self, own_code=()) -> None:
+        """``own_code``: code objects of pymem's that Dynamo must never trace (the mode's dispatch
+        frame: its callback would fire on entering it, before the frame can turn it off)."""
         try:
             from torch._dynamo.convert_frame import CatchErrorsWrapper
+            from torch._dynamo.eval_frame import skip_code
         except Exception:  # noqa: BLE001  (no Dynamo in this build: nothing can be compiled)
             return
+        for code in own_code:
+            skip_code(code)
         original = CatchErrorsWrapper.__dict__.get("_handle_skip")
         if original is None:
             return

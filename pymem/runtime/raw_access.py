@@ -19,6 +19,10 @@ can be observed, else for the storage's life.
 to compare addresses (weight tying, cuDNN's flat weights), and a count per call would never come
 back to zero. Its pin is for the storage's life, since a C extension may keep the address;
 ``pymem.unpin(t)`` takes it back (code that only compared), and the next ``data_ptr()`` pins again.
+A call from torch's own Python code does not pin: torch compares addresses there
+(``allow_mutation_on_saved_tensors`` on every saved tensor, RNN weight checks) or hands them out
+through a path pinned on its own (``__cuda_array_interface__``); pinning every saved activation
+would leave nothing to release.
 
 Storage resizes. ``UntypedStorage.resize_`` (FSDP frees and regrows parameters with it) destroys the
 value a storage holds without an op: the runtime is told first (``Runtime.before_resize``).
@@ -27,6 +31,7 @@ Not covered: an address taken inside C++ (an extension's ``tensor.data_ptr()`` o
 binding): ``pymem.pin(t)`` is for that.
 """
 import contextlib
+import sys
 import weakref
 from typing import Callable, Dict, List, Optional
 
@@ -161,10 +166,13 @@ class RawAccess:
         return _named(read, original)
 
     def _address(self, original):
-        hand_out_address = self.hand_out_address
+        hand_out_address, make_readable = self.hand_out_address, self.make_readable
 
         def data_ptr(t):
-            hand_out_address(t)
+            if _from_torch(sys._getframe(1)):
+                make_readable(t)
+            else:
+                hand_out_address(t)
             return original(t)
 
         return _named(data_ptr, original)
@@ -207,6 +215,12 @@ class RawAccess:
                 return original(*args, **kwargs)
 
         return _named(save, original)
+
+
+def _from_torch(frame) -> bool:
+    """The calling frame is torch's own Python code."""
+    name = frame.f_globals.get("__name__", "")
+    return name == "torch" or name.startswith("torch.")
 
 
 def _named(wrapper, original) -> Callable:

@@ -244,18 +244,18 @@ class Runtime:
         self.active = True
         self.threads.install()
         self.raw_access.install()
-        self.compile_warning.install()
+        self.compile_warning.install(own_code=(_Mode.__torch_dispatch__.__code__,))
         self.optimizer_step_hooks.install()
         self.heap_freeze.install()
 
     def stop(self) -> None:
         """Leave the mode, give PyTorch its allocator back, restore every evicted value."""
         self.active = False  # other threads' modes pass through from now on
+        self.heap_freeze.uninstall()  # first: nothing below may leave the program's heap frozen
         self.threads.uninstall()
         self.raw_access.uninstall()
         self.compile_warning.uninstall()
         self.optimizer_step_hooks.uninstall()
-        self.heap_freeze.uninstall()
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
@@ -579,6 +579,7 @@ class Runtime:
                 new = Record(self.residency, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
                 new.depth = depth
                 new.pins, r.pins = r.pins, 0  # a pin is the storage's, whichever value it holds
+                new.address_out, r.address_out = r.address_out, False
                 r.sref = None  # r is now the old value: no storage, still recomputable by its recipe
                 table[_storage_key(ins[j])] = new
                 if recipe is not None:
@@ -645,7 +646,9 @@ class Runtime:
             return False
         r.sref = None
         pins, r.pins = r.pins, 0
-        self.residency.set_pins(self._new_record(t, _storage_key(t), cost, None, op), pins)  # the storage's pin
+        new = self._new_record(t, _storage_key(t), cost, None, op)
+        self.residency.set_pins(new, pins)  # the storage's pin
+        new.address_out, r.address_out = r.address_out, False
         return True
 
     def run_again(self, func, args, kwargs, e: OutOfBudgetError, rng=None):

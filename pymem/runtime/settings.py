@@ -56,11 +56,11 @@ def check_device(device, allocator: str) -> torch.device:
     return dev
 
 
-def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sampling: bool = False,
-          cost=None, offload=None, prefetch: bool = True, link_bandwidth=None) -> Settings:
-    """Settings from ``pymem.enable``'s arguments (the budget already in bytes), or a ValueError that
-    names the bad one and what is accepted. ``policy`` / ``offload``: a name or an instance; ``cost``
-    and ``offload`` None: by device (measured and never on the CPU, estimate and delta on CUDA)."""
+def check_choices(policy="dtr", allocator: str = "arena", sampling: bool = False, cost=None, offload=None,
+                  prefetch: bool = True, link_bandwidth=None) -> None:
+    """Every setting but the budget and the device, which need the device looked at (and on CUDA that
+    must wait for pymem.enable's check of CUDA's initialisation order): a ValueError that names the
+    bad one and what is accepted."""
     if allocator not in ALLOCATORS:
         raise ValueError(f"allocator {allocator!r} is not accepted; accepted: {_accepted(ALLOCATORS)}")
     if not isinstance(sampling, bool):
@@ -75,6 +75,16 @@ def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sam
         raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
     if link_bandwidth is not None and not (isinstance(link_bandwidth, (int, float)) and link_bandwidth > 0):
         raise ValueError(f"link_bandwidth must be a positive number of bytes per second, got {link_bandwidth!r}")
+    if not isinstance(policy, Policy):
+        get_policy(policy)  # raises for an unknown name
+
+
+def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sampling: bool = False,
+          cost=None, offload=None, prefetch: bool = True, link_bandwidth=None) -> Settings:
+    """Settings from ``pymem.enable``'s arguments (the budget already in bytes), or a ValueError that
+    names the bad one and what is accepted. ``policy`` / ``offload``: a name or an instance; ``cost``
+    and ``offload`` None: by device (measured and never on the CPU, estimate and delta on CUDA)."""
+    check_choices(policy, allocator, sampling, cost, offload, prefetch, link_bandwidth)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
         raise ValueError(f"budget must be a positive int of bytes here, got {budget!r}")
     policy = policy if isinstance(policy, Policy) else get_policy(policy)
