@@ -88,6 +88,7 @@ class Residency:
         if sref is not None and r.evicted and sref.alive:
             sref.adopt(tensor)
             r.evicted = False
+            r.in_arena = self.backend.releasable(sref.data_ptr, r.nbytes)  # a small value may change region
             self.on_back(r, now, how=how)
             return
         ref = _C.StorageRef(tensor)
