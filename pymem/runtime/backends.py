@@ -13,12 +13,17 @@ Both answer: ``install`` / ``uninstall``, ``stats`` / ``reset_peak``, ``releasab
 storage's buffer is ours to release), ``set_pinned``, ``history`` (the arena while a snapshot
 history records, to label), ``make_room`` after a refusal, and ``retries``.
 """
+from .. import _C
 from .. import cupy as _cupy
 from .. import snapshot as _snap
 from . import compaction
 from .native import cap_for
 
 _NATIVE_RETRIES = 64  # rounds of release-and-retry for one op under the native allocator
+# Values of at most one arena grain (a loss, a norm, a step count) are never released by pressure:
+# freeing one gains at most 512 bytes, while bringing back a scalar at the end of a chain can mean
+# replaying the whole forward pass (the loss a training step still holds at its optimizer step).
+_TINY = _C.ALIGNMENT
 
 
 class ArenaBackend:
@@ -55,7 +60,7 @@ class ArenaBackend:
         of the small region are never scanned by eviction (csrc/arena.h), and memory from before
         ``enable`` is not the arena's. A small request that found its region full lies in the main
         region: releasable, or a model of small tensors could release nothing at all."""
-        return self.lo <= ptr < self.main_hi
+        return nbytes > _TINY and self.lo <= ptr < self.main_hi
 
     def set_pinned(self, ptr: int, pinned: bool) -> None:
         """Compaction refuses a pinned block, and ``pinned_bytes`` counts it."""
@@ -94,7 +99,7 @@ class NativeBackend:
         self.cap.reset_peak()
 
     def releasable(self, ptr: int, nbytes: int) -> bool:
-        return nbytes > 0
+        return nbytes > _TINY
 
     def set_pinned(self, ptr: int, pinned: bool) -> None:
         pass  # nothing moves blocks; a pin only stops release, which the record's count does

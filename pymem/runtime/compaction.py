@@ -171,14 +171,24 @@ def compact_for(rt, request: int) -> bool:
         return False
     seg, moves, victims = chosen
     keep = [movable[a][1].strong() for a, _ in seg.movable]  # nothing moved may die mid-move
-    for old, new in moves:
-        rt.arena.move_block(old, new)
+    # The plan is a picture of the arena taken under the runtime's lock, but another thread's kernel
+    # allocates under the arena's lock alone: it may take a planned destination meanwhile. The arena
+    # then refuses the move (ValueError, nothing changed) and the plan is stale: stop there. Every
+    # finished move stands; the arena asks the handler again.
+    for i, (old, new) in enumerate(moves):
+        try:
+            rt.arena.move_block(old, new)
+        except ValueError:
+            return i > 0
         _relocate(rt, movable, old, new)
     for r in victims:
         rt.residency.release(r)
     released = {id(r) for r in victims}
     gone = {a for a, _ in moves} | {a for _, r, a, _ in seg.releasable if id(r) in released}
-    slid = _slide(rt, movable, _cheapest_window(seg, gone, request))
+    try:
+        slid = _slide(rt, movable, _cheapest_window(seg, gone, request))
+    except ValueError:  # stale in the same way
+        slid = False
     del keep
     return bool(moves or victims or slid)
 
