@@ -10,7 +10,7 @@ from .budget import parse_budget
 from .cost_model import CostModel
 from .runtime import Runtime
 from .runtime.hooks import check_cuda_order  # part of the API: tested, documented
-from .runtime.settings import check as check_settings, check_choices
+from .runtime.settings import check_choices
 
 log = logging.getLogger("pymem")
 log.addHandler(logging.NullHandler())  # silent unless the application configures logging
@@ -79,11 +79,8 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     device = _resolve_device(device)
     if allocator is None:
         allocator = "arena"
-    check_choices(policy, allocator, sampling, cost, offload, prefetch)
+    check_choices(policy, allocator, sampling, cost, offload, prefetch)  # a typo first, by name
     nbytes = parse_budget(budget, device)
-    if _current is None:
-        check_cuda_order(device, allocator)  # before the device is looked at
-    check_settings(nbytes, policy, device, allocator, sampling, cost, offload, prefetch)
     settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch)
     if _current is not None:
         if settings == _settings:
@@ -91,6 +88,7 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
         names = ("budget", "policy", "device", "allocator", "sampling", "cost", "offload", "prefetch")
         raise RuntimeError(f"pymem is already enabled with {_describe(names, _settings)}; call pymem.disable() "
                            f"before enabling it with {_describe(names, settings)}")
+    check_cuda_order(device, allocator)  # before the runtime looks at the device
     rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
                  offload=offload, prefetch=prefetch)
     rt.start()

@@ -36,7 +36,6 @@ class ArenaBackend:
         self.can_compact = self.arena.backing != "cuda"  # a CUDA slab's blocks do not move (yet)
         self.lo, self.hi = self.arena.base, self.arena.base + budget
         self.main_hi = self.hi - self.arena.small_region_size  # [lo, main_hi): blocks that compact
-        self.small = self.arena.small_threshold  # blocks up to this size live in the small region
 
     def install(self, rt) -> None:
         self.arena.set_pressure_handler(rt.pressure)
@@ -56,10 +55,10 @@ class ArenaBackend:
         self.arena.reset_peak_memory_stats()
 
     def releasable(self, ptr: int, nbytes: int) -> bool:
-        """A buffer of the arena's main region, whatever its size: the policy may release it. Blocks
-        of the small region are never scanned by eviction (csrc/arena.h), and memory from before
-        ``enable`` is not the arena's. A small request that found its region full lies in the main
-        region: releasable, or a model of small tensors could release nothing at all."""
+        """A buffer of the arena's main region over one grain (_TINY): the policy may release it.
+        Blocks of the small region are never scanned by eviction (csrc/arena.h), and memory from
+        before ``enable`` is not the arena's. A small request that found its region full lies in the
+        main region: releasable, or a model of small tensors could release nothing at all."""
         return nbytes > _TINY and self.lo <= ptr < self.main_hi
 
     def set_pinned(self, ptr: int, pinned: bool) -> None:
@@ -81,7 +80,7 @@ class NativeBackend:
     arena = None
     hook = None
     can_compact = False
-    lo = hi = main_hi = small = 0
+    lo = hi = main_hi = 0
 
     def __init__(self, device, budget: int) -> None:
         self.cap = cap_for(device, budget)

@@ -127,6 +127,13 @@ class Residency:
             self.backend.set_pinned(r.sref.data_ptr, pins > 0)
         r.pins = pins
 
+    def hand_over_pins(self, old: Record, new: Record) -> None:
+        """``new`` holds the storage's next value (an in-place op, a regrow): a pin is the storage's,
+        whichever value it holds, and so is a data_ptr() pin."""
+        pins, old.pins = old.pins, 0
+        new.address_out, old.address_out = old.address_out, False
+        self.set_pins(new, pins)
+
     def stats(self) -> dict:
         return {
             "num_evictions": self.num_evictions,

@@ -578,8 +578,7 @@ class Runtime:
                 recipe = Recipe(func, targs, tkw, refs, ("arg", j), rng) if in_place_refs is not None else None
                 new = Record(self.residency, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
                 new.depth = depth
-                new.pins, r.pins = r.pins, 0  # a pin is the storage's, whichever value it holds
-                new.address_out, r.address_out = r.address_out, False
+                self.residency.hand_over_pins(r, new)
                 r.sref = None  # r is now the old value: no storage, still recomputable by its recipe
                 table[_storage_key(ins[j])] = new
                 if recipe is not None:
@@ -645,10 +644,7 @@ class Runtime:
         if t.untyped_storage().nbytes() <= r.nbytes:
             return False
         r.sref = None
-        pins, r.pins = r.pins, 0
-        new = self._new_record(t, _storage_key(t), cost, None, op)
-        self.residency.set_pins(new, pins)  # the storage's pin
-        new.address_out, r.address_out = r.address_out, False
+        self.residency.hand_over_pins(r, self._new_record(t, _storage_key(t), cost, None, op))
         return True
 
     def run_again(self, func, args, kwargs, e: OutOfBudgetError, rng=None):

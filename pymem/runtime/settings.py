@@ -84,10 +84,10 @@ def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sam
     """Settings from ``pymem.enable``'s arguments (the budget already in bytes), or a ValueError that
     names the bad one and what is accepted. ``policy`` / ``offload``: a name or an instance; ``cost``
     and ``offload`` None: by device (measured and never on the CPU, estimate and delta on CUDA)."""
+    policy = policy if isinstance(policy, Policy) else get_policy(policy)
     check_choices(policy, allocator, sampling, cost, offload, prefetch, link_bandwidth)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
         raise ValueError(f"budget must be a positive int of bytes here, got {budget!r}")
-    policy = policy if isinstance(policy, Policy) else get_policy(policy)
     dev = check_device(device, allocator)
     on_cpu = dev.type == "cpu"
     if offload is None:
