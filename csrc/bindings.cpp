@@ -8,6 +8,8 @@
 #include "hook_budget.h"
 #include "hook_cpu.h"
 #include "hook_pluggable.h"
+#include "fast_op.h"
+#include "intercept.h"
 #include "storage.h"
 #endif
 
@@ -85,6 +87,29 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
         "The tensor's StorageImpl address (its alias-pool key), or 0 without a plain storage.");
   m.def("storage_use_count", &pymem::storage_use_count, py::arg("tensor"),
         "Strong references to the tensor's storage, the tensor's own included (1: only it holds the buffer).");
+  m.def("install_interception", &pymem::install_interception,
+        "Register pymem's fallback on DispatchKey::Fake (once per process): '' on success, else why not.");
+  m.def("interception_installed", &pymem::interception_installed);
+  m.def("set_interception_handler", [](py::object handler, const std::string& device) {
+    pymem::set_interception_handler(std::move(handler), c10::Device(device).type());
+  }, py::arg("handler"), py::arg("device"),
+        "handler(func, args, kwargs) runs every op seen with a tensor on `device`'s type (or none); "
+        "None: every op passes straight through.");
+  m.def("set_interception_included", &pymem::set_included_on_this_thread, py::arg("on"),
+        "This thread's ops reach the fallback (or not, False); returns the prior state.");
+  m.def("set_interception_excluded", &pymem::set_excluded_on_this_thread, py::arg("on"),
+        "This thread's ops bypass the fallback (pymem's own work); returns the prior state.");
+  m.def("set_fast_path", &pymem::set_fast_path, py::arg("runtime"),
+        "The Runtime whose common ops the interception books in C++ (fast_op.h); None: all in Python.");
+  m.def("fast_path_stats", [] {
+    const pymem::FastPathStats s = pymem::fast_path_stats();
+    py::dict d;
+    d["fast"] = s.fast;
+    d["slow"] = s.slow;
+    return d;
+  });
+  m.def("interception_included", &pymem::included_on_this_thread);
+  m.def("interception_num_seen", &pymem::interception_num_seen);
   m.def("alias_tensor", &pymem::alias_tensor, py::arg("tensor"),
         "A new tensor sharing the storage and view metadata, outside autograd and the dispatcher.");
 #else

@@ -1,11 +1,13 @@
-"""torch.compile under pymem: a compiled region runs eagerly, op by op, through pymem's dispatch
-mode (torch.compile does not trace while a TorchDispatchMode is active, and falls back to the
-original Python code). Results are the eager module's, not the compiled kernels'. Dynamo does
-that silently; pymem says so, once per process, the first time Dynamo skips a frame for it."""
+"""torch.compile under pymem: a compiled region runs eagerly, op by op, through pymem's interception
+(torch.compile does not trace while a TorchDispatchMode is active, and falls back to the original
+Python code; pymem's dispatcher interception counts as one: a compiled kernel that fills buffers no
+op pymem sees would leave recipes that recompute wrong values). Results are the eager module's, not
+the compiled kernels'. Dynamo does that silently; pymem says so, once per process, the first time
+Dynamo skips a frame for it."""
 import warnings
 
 _MESSAGE = ("pymem: torch.compile runs compiled code eagerly while pymem is enabled (torch.compile does not "
-            "compile under a TorchDispatchMode, which is how pymem sees every op): its results are those "
+            "compile while pymem intercepts every op, as under a TorchDispatchMode): its results are those "
             "of the uncompiled code, its tensors are managed like any other. See README, 'Works with'.")
 _warned = False
 
@@ -20,17 +22,27 @@ class CompileWarning:
 
     def __init__(self) -> None:
         self._cls = self._original = None
+        self._mode_checks = {}  # convert_frame's dispatch-mode predicates we wrapped: name -> original
 
-    def install(self, own_code=()) -> None:
+    def install(self, own_code=(), intercepting=None) -> None:
         """``own_code``: code objects of pymem's that Dynamo must never trace (the mode's dispatch
-        frame: its callback would fire on entering it, before the frame can turn it off)."""
+        frame: its callback would fire on entering it, before the frame can turn it off).
+        ``intercepting``: () -> True while this thread's ops reach pymem outside any mode (the
+        dispatcher interception): Dynamo then skips frames as it does under a mode."""
         try:
+            from torch._dynamo import convert_frame
             from torch._dynamo.convert_frame import CatchErrorsWrapper
             from torch._dynamo.eval_frame import skip_code
         except Exception:  # noqa: BLE001  (no Dynamo in this build: nothing can be compiled)
             return
         for code in own_code:
             skip_code(code)
+        if intercepting is not None:
+            for name in ("any_torch_dispatch_mode_on_stack", "is_in_any_mode_without_ignore_compile_internals"):
+                check = getattr(convert_frame, name, None)
+                if check is not None:
+                    self._mode_checks[name] = check
+                    setattr(convert_frame, name, self._or_intercepting(check, intercepting))
         original = CatchErrorsWrapper.__dict__.get("_handle_skip")
         if original is None:
             return
@@ -45,7 +57,18 @@ class CompileWarning:
         self._cls, self._original = CatchErrorsWrapper, original
         CatchErrorsWrapper._handle_skip = _handle_skip
 
+    @staticmethod
+    def _or_intercepting(check, intercepting):
+        def mode_present(*args, **kwargs):
+            return intercepting() or check(*args, **kwargs)
+        return mode_present
+
     def uninstall(self) -> None:
+        if self._mode_checks:
+            from torch._dynamo import convert_frame
+            for name, check in self._mode_checks.items():
+                setattr(convert_frame, name, check)
+            self._mode_checks = {}
         if self._cls is not None:
             self._cls._handle_skip = self._original
             self._cls = self._original = None

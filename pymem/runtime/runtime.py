@@ -8,8 +8,6 @@ import weakref
 from typing import Dict, List, Optional
 
 import torch
-from torch.utils._python_dispatch import (TorchDispatchMode, _disable_current_modes,
-                                         _get_current_dispatch_mode_stack)
 from torch.utils._pytree import tree_leaves
 
 from .. import _C
@@ -17,7 +15,7 @@ from .. import cost_model as _cost_model
 from .. import cupy as _cupy
 from ..errors import OutOfBudgetError
 from ..policies import Policy
-from . import remat, settings as _settings
+from . import interception as _interception, remat, settings as _settings
 from .backends import ArenaBackend, NativeBackend
 from .hooks import CpuHook, CudaLibHook
 from .ops import in_flight, mutated_tensors, op_info
@@ -36,19 +34,10 @@ _weakref = weakref.ref
 _storage_key = _C.storage_key
 _StorageRef = _C.StorageRef
 _perf = time.perf_counter
-_get_ident = threading.get_ident
 _FOREVER = 1 << 40  # added to a record's pins: no count of unpins takes it back
 _grad_enabled = torch.is_grad_enabled
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _use_count = _C.storage_use_count
-try:  # what torch._disable_dynamo does around a call, without its wrapper's cost (see _Mode)
-    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
-    _OWN_DYNAMO_GUARD = True
-except ImportError:  # no Dynamo in this build: torch's own wrapper (if any) stays
-    _OWN_DYNAMO_GUARD = False
-
-    def _set_eval_frame(callback):
-        return None
 # Longest chain of recipes a value may stand at the end of (a deep model's forward is a few thousand
 # ops). Beyond it an op's outputs are leaves: a loop that keeps extending one value (a generation
 # loop's KV cache, a running sum) would otherwise keep every op it ever ran reachable.
@@ -121,37 +110,6 @@ def _unlist(running: List[list], entry: list) -> None:
             return
 
 
-class _Mode(TorchDispatchMode):
-    """One per thread (a mode's enter/exit state is per instance). After ``disable`` a thread that
-    still has it passes ops straight through."""
-
-    def __init__(self, rt: "Runtime") -> None:
-        super().__init__()
-        self.rt = rt
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        """False: torch would wrap __torch_dispatch__ in torch._disable_dynamo, ~3.5 us per op; it
-        keeps Dynamo out of pymem's own frames itself, at a fraction of that (below)."""
-        return not _OWN_DYNAMO_GUARD
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        rt = self.rt
-        if not rt.active:
-            return func(*args, **(kwargs or {}))
-        ident = _get_ident()
-        if ident not in rt.threads.managed:  # the autograd engine's threads inherit the mode
-            rt.threads.seen(ident)
-        # Inside its own dispatch the mode is off the stack, so a torch.compile'd caller's frame
-        # callback would try to trace pymem's frames: no callback while they run.
-        prior = _set_eval_frame(None)
-        try:
-            with rt.lock:
-                return rt.run_op(func, args, kwargs)
-        finally:
-            _set_eval_frame(prior)
-
-
 class Runtime:
     """State of one ``pymem.enable``: arena, records, policy, statistics."""
 
@@ -221,12 +179,12 @@ class Runtime:
         # > 0: ops get no recipes (an optimizer's step() runs, optimizer_steps.py; pymem.no_recompute)
         self.no_recipes = 0
         self.num_retries = 0
-        self.mode: Optional[_Mode] = None
+        self.interception = _interception.make(conf.intercept, self)
         self.active = False
         # Bookkeeping of every thread's ops, and the pressure handler, run under this lock; a kernel
         # runs without it (_kernel), its inputs locked and listed in `running`.
         self.lock = threading.RLock()
-        self.threads = ThreadCoverage(self, lambda: _Mode(self))
+        self.threads = ThreadCoverage(self, self.interception)
         self.raw_access = RawAccess(self)
         self.compile_warning = CompileWarning()
         self.optimizer_step_hooks = OptimizerSteps(self)
@@ -239,12 +197,12 @@ class Runtime:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         self.backend.install(self)
-        self.mode = _Mode(self)
-        self.mode.__enter__()
         self.active = True
+        self.interception.start()
         self.threads.install()
         self.raw_access.install()
-        self.compile_warning.install(own_code=(_Mode.__torch_dispatch__.__code__,))
+        self.compile_warning.install(own_code=self.interception.own_code,
+                                     intercepting=self.interception.outside_modes)
         self.optimizer_step_hooks.install()
         self.heap_freeze.install()
 
@@ -256,9 +214,7 @@ class Runtime:
         self.raw_access.uninstall()
         self.compile_warning.uninstall()
         self.optimizer_step_hooks.uninstall()
-        if self.mode is not None:
-            self.mode.__exit__(None, None, None)
-            self.mode = None
+        self.interception.stop()
         if self.swap is not None:
             self.swap.close()  # copies in flight land in the arena first
         self.backend.uninstall(self)
@@ -333,7 +289,7 @@ class Runtime:
         r = self.table.get(key)
         if r is None or nbytes == storage.nbytes():
             return
-        with _disable_current_modes():  # pymem's own work, not ops of the program
+        with _interception.own_work():  # pymem's own work, not ops of the program
             if r.evicted and nbytes:  # resize_ keeps the bytes that fit: bring them back first
                 remat.restore(self, [r])
             del self.table[key]
@@ -375,7 +331,7 @@ class Runtime:
     def restore_for_read(self, r: Record) -> None:
         """Bring r's value back for a read outside any op (raw_access.py). The mode is off meanwhile:
         the recompute's ops are pymem's, not the program's."""
-        with self.lock, _disable_current_modes():
+        with self.lock, _interception.own_work():
             try:
                 remat.restore(self, [r])
             except _Refused as e:
@@ -633,9 +589,9 @@ class Runtime:
         finally:
             lock.acquire()
 
-    def mode_on_this_thread(self) -> bool:
-        """True when this thread's dispatch mode stack holds one of this runtime's modes."""
-        return any(isinstance(m, _Mode) and m.rt is self for m in _get_current_dispatch_mode_stack())
+    def seen_on_this_thread(self) -> bool:
+        """True when this thread's ops go through this runtime."""
+        return self.interception.on_this_thread()
 
     def _regrown(self, r: Record, t: _Tensor, cost: float, op: str) -> bool:
         """True if the op just run grew ``r``'s storage (``t``'s): resize_, or an in-place or out= op

@@ -4,16 +4,19 @@ Every setting is validated here, with the error a user sees, before anything tha
 (on CUDA the arena's hook swaps PyTorch's allocator, which PyTorch never allows back). ``pymem.enable``
 checks before it compares with the active runtime's settings; ``Runtime`` checks what it is given.
 """
+import os
 from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
 
+from .. import _C
 from ..cost_model import CostModel
 from ..policies import Director, Policy, director_names, get_director, get_policy
 
 ALLOCATORS = ("arena", "native")
 COSTS = ("measured", "estimate")
+INTERCEPTS = ("mode", "dispatcher")  # interception.py
 
 
 def _accepted(values) -> str:
@@ -31,6 +34,7 @@ class Settings:
     sampling: bool                    # DTR's candidate sampling
     cost: Union[str, CostModel]       # "measured", "estimate", or fixed rates
     link_bandwidth: Optional[float]   # bytes/s of a host copy; None: timed once per process
+    intercept: str                    # one of INTERCEPTS: how ops reach the runtime
 
     @property
     def on_cuda(self) -> bool:
@@ -79,6 +83,20 @@ def check_choices(policy="dtr", allocator: str = "arena", sampling: bool = False
         get_policy(policy)  # raises for an unknown name
 
 
+def check_intercept() -> str:
+    """How ops reach the runtime (interception.py): ``PYMEM_INTERCEPT`` if set, else the mode (the
+    dispatcher is opt-in until it passes the whole suite: see interception.py)."""
+    asked = os.environ.get("PYMEM_INTERCEPT", "mode")
+    if asked not in INTERCEPTS:
+        raise ValueError(f"PYMEM_INTERCEPT={asked!r} is not accepted; accepted: {_accepted(INTERCEPTS)}")
+    if asked == "dispatcher":
+        why = _C.install_interception()
+        if why:
+            raise ValueError(f"PYMEM_INTERCEPT='dispatcher': this torch refuses pymem's fallback on "
+                             f"DispatchKey::Fake ({why}); unset it, or set it to 'mode'")
+    return asked
+
+
 def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sampling: bool = False,
           cost=None, offload=None, prefetch: bool = True, link_bandwidth=None) -> Settings:
     """Settings from ``pymem.enable``'s arguments (the budget already in bytes), or a ValueError that
@@ -97,4 +115,5 @@ def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sam
         cost = "measured" if on_cpu else "estimate"
     return Settings(budget=budget, device=dev, allocator=allocator, policy=policy, director=director,
                     prefetch=prefetch, sampling=sampling, cost=cost,
-                    link_bandwidth=float(link_bandwidth) if link_bandwidth else None)
+                    link_bandwidth=float(link_bandwidth) if link_bandwidth else None,
+                    intercept=check_intercept())

@@ -22,9 +22,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from .. import _C
+from .interception import own_work
 from .records import Record
 
 _perf = time.perf_counter
@@ -157,7 +157,7 @@ class Swapper:
         if r.host is not None:
             return
         t0 = _perf()
-        with _disable_current_modes():  # not ops of the program (pymem.evict runs under the mode)
+        with own_work():  # not ops of the program (pymem.evict runs under the mode)
             host = self.host.empty(r.nbytes)
             self.copier.copy(host, sref.view(torch.uint8, [r.nbytes], [1], 0))
         r.host = host
@@ -188,7 +188,7 @@ class Swapper:
             self.prefetched_bytes += r.nbytes
         else:
             buf = self.rt.allocating(_blank, r.nbytes, self.rt.device)
-            with _disable_current_modes():
+            with own_work():
                 self.copier.copy(buf, r.host)
             self.num_swap_ins += 1
             self.swapped_in_bytes += r.nbytes
@@ -223,7 +223,7 @@ class Swapper:
                 buf = _blank(r.nbytes, self.rt.device)
             finally:
                 _C.set_allocation_class(previous)
-            with _disable_current_modes():
+            with own_work():
                 self.in_flight[r] = (buf, self.copier.start(buf, r.host))
 
     def _worth_prefetching(self, r: Record) -> bool:

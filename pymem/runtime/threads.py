@@ -1,15 +1,16 @@
 """Every thread of the process under one runtime.
 
-A TorchDispatchMode is thread-local: entering it on the thread that calls ``enable()`` leaves the
-ops of every other thread unseen, while the arena (the process's allocator) still caps their
-tensors. So while the runtime is active, each thread that starts gets the mode for its whole run
+The interception is thread-local (interception.py: a dispatch key in the thread's included set, or
+a mode on its stack): turning it on for the thread that calls ``enable()`` leaves the ops of every
+other thread unseen, while the arena (the process's allocator) still caps their tensors. So while
+the runtime is active, each thread that starts gets the interception for its whole run
 (``threading.Thread._bootstrap_inner``, which every Thread, ThreadPoolExecutor worker included,
 runs first). A thread that already existed cannot be reached from outside: its code can enter
 ``pymem.manage_thread()``; until then, an allocation of its that the pressure handler cannot make
 room for fails with an error that names the thread. pymem's own workers (``pymem-*``: the prefetch
 copier) stay outside: their copies are not ops.
 
-Threads that ran an op through the mode (the autograd engine's, which inherit the mode with the
+Threads that ran an op through the interception (the autograd engine's, which inherit it with the
 rest of the thread-local state) count as managed from their first op.
 """
 import contextlib
@@ -24,9 +25,9 @@ _OWN_PREFIX = "pymem-"
 class ThreadCoverage:
     """Managed threads of one runtime, and the start-up hook that manages new ones."""
 
-    def __init__(self, rt, make_mode) -> None:
+    def __init__(self, rt, interception) -> None:
         self.rt = rt
-        self._make_mode = make_mode  # a new dispatch mode for one thread
+        self._interception = interception  # interception.py: how one thread's ops reach the runtime
         self.managed: Set[int] = set()
         self._original = None
 
@@ -53,12 +54,11 @@ class ThreadCoverage:
     def managing(self) -> Iterator[None]:
         """The calling thread's ops go through the runtime for the block."""
         ident = threading.get_ident()
-        if ident in self.managed and self.rt.mode_on_this_thread():
+        if ident in self.managed and self._interception.on_this_thread():
             yield
             return
-        mode = self._make_mode()
         self.managed.add(ident)
-        with mode:
+        with self._interception.cover_thread():
             yield
 
     def seen(self, ident: int) -> None:

@@ -1,0 +1,437 @@
+// fast_op.cpp — Runtime.run_op's common case in C++ (see fast_op.h). Every step below names the
+// lines of runtime.py it mirrors; the two must change together (test_fast_path.py compares them).
+#include "fast_op.h"
+
+#include "intercept.h"
+
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/PyInterpreter.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+
+#include <c10/core/GradMode.h>
+
+#include <chrono>
+#include <exception>
+#include <unordered_map>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace pymem {
+namespace {
+
+// Attribute names, interned once: a lookup by an interned name hits the type's attribute cache
+// (a C string makes a fresh str per call, which never does).
+struct Names {
+#define PYMEM_NAME(n) py::object n = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(#n));
+  PYMEM_NAME(active) PYMEM_NAME(after_op) PYMEM_NAME(clock) PYMEM_NAME(cost_model) PYMEM_NAME(depth)
+  PYMEM_NAME(evicted) PYMEM_NAME(in_flight) PYMEM_NAME(last_access) PYMEM_NAME(locks) PYMEM_NAME(no_recipes)
+  PYMEM_NAME(num_ops) PYMEM_NAME(offloaded) PYMEM_NAME(recipe) PYMEM_NAME(seconds) PYMEM_NAME(swap)
+  PYMEM_NAME(rec) PYMEM_NAME(leaf) PYMEM_NAME(dtype) PYMEM_NAME(size) PYMEM_NAME(stride) PYMEM_NAME(offset)
+  PYMEM_NAME(conj) PYMEM_NAME(neg) PYMEM_NAME(mutated) PYMEM_NAME(blank_nbytes)
+#undef PYMEM_NAME
+};
+Names* N = nullptr;  // made by the first set_fast_path, under the GIL; never freed
+
+// The runtime's objects the fast path drives, fetched once per enable (strong references; all
+// touched under the GIL only).
+struct RuntimeRefs {
+  py::object rt, table, running, acquire, release, pressure, threads_managed;
+  py::object new_record, link, leaf_hold, arg_ref_type, recipe_type, slots, slot_type, op_info, graph_task_id;
+  py::tuple no_args;
+  py::object set_eval_frame;  // Dynamo's, or None (see _Mode in runtime.py)
+  py::object leaf_name, ret_name;
+  c10::DeviceType device = c10::DeviceType::CPU;
+  int64_t depth_limit = 0;
+};
+RuntimeRefs* g_rt = nullptr;
+FastPathStats g_stats;
+
+// What run_op reads of an op (ops.py's OpInfo), per schema, computed once.
+struct OpFacts {
+  bool eligible = false;
+  bool fresh_returns = false;
+  py::object func;  // the OpOverload
+  py::object name;  // str(func), a record's `op`
+};
+std::unordered_map<const void*, OpFacts>* g_facts = nullptr;  // GIL-guarded; lives as long as the process
+
+const OpFacts& facts_of(const RuntimeRefs& R, const c10::OperatorHandle& op) {
+  if (g_facts == nullptr) g_facts = new std::unordered_map<const void*, OpFacts>();
+  const void* key = &op.schema();
+  auto it = g_facts->find(key);
+  if (it != g_facts->end()) return it->second;
+  OpFacts f;
+  f.func = py::reinterpret_borrow<py::object>(torch::detail::getTorchApiFunction(op));
+  py::object info = R.op_info(f.func);
+  f.eligible = info.attr("pure").cast<bool>() && py::len(info.attr("mutated")) == 0 &&
+               py::len(info.attr("regrown")) == 0 && !info.attr("seeded").cast<bool>() &&
+               !info.attr("collective").cast<bool>();
+  f.fresh_returns = info.attr("fresh_returns").cast<bool>();
+  f.name = info.attr("name");
+  return g_facts->emplace(key, std::move(f)).first->second;
+}
+
+bool truthy(const py::handle& h) { return PyObject_IsTrue(h.ptr()) == 1; }
+
+py::object wrap(const at::Tensor& t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); }
+
+uintptr_t key_of(const at::Tensor& t) {  // _C.storage_key
+  if (!t.defined() || !t.has_storage()) return 0;
+  return reinterpret_cast<uintptr_t>(t.storage().unsafeGetStorageImpl());
+}
+
+// _gather: tensor arguments in order, one level of lists.
+void gather(const c10::IValue& v, std::vector<at::Tensor>& out) {
+  if (v.isTensor()) {
+    out.push_back(v.toTensor());
+  } else if (v.isTensorList()) {
+    for (const at::Tensor& t : v.toTensorList().vec()) out.push_back(t);
+  } else if (v.isList()) {
+    for (const c10::IValue& x : v.toListRef())
+      if (x.isTensor()) out.push_back(x.toTensor());
+  }
+}
+
+// _template: the argument as Python, each tensor replaced by the next Slot.
+py::object templated(const RuntimeRefs& R, const c10::IValue& v, size_t& counter) {
+  auto slot = [&]() -> py::object {
+    const size_t i = counter++;
+    return i < 256 ? py::reinterpret_borrow<py::object>(PyList_GET_ITEM(R.slots.ptr(), i)) : R.slot_type(i);
+  };
+  if (v.isTensor()) return slot();
+  if (v.isTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())) {
+    const auto items = v.toListRef();
+    py::list out(items.size());
+    for (size_t i = 0; i < items.size(); ++i)
+      out[i] = items[i].isTensor() ? slot() : torch::jit::toPyObject(items[i]);
+    return std::move(out);
+  }
+  return torch::jit::toPyObject(v);
+}
+
+py::tuple int_tuple(c10::IntArrayRef v) {
+  py::tuple out(v.size());
+  for (size_t i = 0; i < v.size(); ++i) out[i] = py::int_(v[i]);
+  return out;
+}
+
+// Runtime._refs for an input `t` (record `r`) that the op does not write: the ArgRef that
+// ArgRef(r, None, t, False) or, for a leaf, ArgRef(None, Runtime._leaf_hold(r), t, False) makes,
+// without running ArgRef.__init__'s Python (the same fields, read from the C++ tensor).
+py::object input_ref(const RuntimeRefs& R, py::handle r, const at::Tensor& t) {
+  const bool leaf = r.attr(N->recipe).is_none();
+  auto* type = reinterpret_cast<PyTypeObject*>(R.arg_ref_type.ptr());
+  py::object a = py::reinterpret_steal<py::object>(type->tp_new(type, R.no_args.ptr(), nullptr));
+  if (!a) throw py::error_already_set();
+  a.attr(N->rec) = leaf ? py::none() : py::reinterpret_borrow<py::object>(r);
+  a.attr(N->leaf) = leaf ? R.leaf_hold(r) : py::none();
+  a.attr(N->dtype) = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())));
+  a.attr(N->size) = int_tuple(t.sizes());
+  a.attr(N->stride) = int_tuple(t.strides());
+  a.attr(N->offset) = py::int_(t.storage_offset());
+  a.attr(N->conj) = py::bool_(t.is_conj());
+  a.attr(N->neg) = py::bool_(t.is_neg());
+  a.attr(N->mutated) = py::bool_(false);
+  a.attr(N->blank_nbytes) = py::int_(0);
+  return a;
+}
+
+double now_seconds() {  // time.perf_counter's clock (CLOCK_MONOTONIC)
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+// The kernel's failure was a refused allocation (torch.OutOfMemoryError or c10's).
+bool refused(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (const c10::OutOfMemoryError&) {
+    return true;
+  } catch (py::error_already_set& err) {
+    return err.matches(py::module_::import("torch").attr("OutOfMemoryError"));
+  } catch (...) {
+    return false;
+  }
+}
+
+// _unlist
+void unlist(const py::object& running, const py::object& entry) {
+  PyObject* list = running.ptr();
+  for (Py_ssize_t i = PyList_GET_SIZE(list) - 1; i >= 0; --i) {
+    if (PyList_GET_ITEM(list, i) == entry.ptr()) {
+      PyList_SetSlice(list, i, i + 1, nullptr);
+      return;
+    }
+  }
+}
+
+void add_locks(const py::list& recs, long delta) {
+  for (py::handle r : recs)
+    if (!r.is_none()) r.attr(N->locks) = py::int_(r.attr(N->locks).cast<long>() + delta);
+}
+
+}  // namespace
+
+void set_fast_path(py::object runtime) {
+  delete g_rt;
+  g_rt = nullptr;
+  if (runtime.is_none()) return;
+  if (N == nullptr) N = new Names();
+  auto* R = new RuntimeRefs();
+  R->rt = runtime;
+  R->table = runtime.attr("table");
+  R->running = runtime.attr("running");
+  R->acquire = runtime.attr("lock").attr("acquire");
+  R->release = runtime.attr("lock").attr("release");
+  R->pressure = runtime.attr("pressure");
+  R->threads_managed = runtime.attr("threads").attr("managed");
+  R->new_record = runtime.attr("_new_record");
+  R->link = runtime.attr("_link");
+  py::module_ records = py::module_::import("pymem.runtime.records");
+  py::module_ runtime_mod = py::module_::import("pymem.runtime.runtime");
+  R->leaf_hold = runtime.attr("_leaf_hold");
+  R->no_args = py::tuple(0);
+  R->arg_ref_type = records.attr("ArgRef");
+  R->recipe_type = records.attr("Recipe");
+  R->slot_type = records.attr("Slot");
+  R->slots = runtime_mod.attr("_SLOTS");
+  R->op_info = py::module_::import("pymem.runtime.ops").attr("op_info");
+  R->graph_task_id = py::module_::import("torch").attr("_C").attr("_current_graph_task_id");
+  R->set_eval_frame = py::module_::import("pymem.runtime.interception").attr("_set_eval_frame");
+  R->depth_limit = runtime_mod.attr("_DEPTH_LIMIT").cast<int64_t>();
+  R->device = c10::Device(py::str(runtime.attr("device")).cast<std::string>()).type();
+  R->leaf_name = py::str("leaf");
+  R->ret_name = py::str("ret");
+  g_rt = R;
+}
+
+FastPathStats fast_path_stats() { return g_stats; }
+
+bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
+  if (g_rt == nullptr) return false;
+  const RuntimeRefs& R = *g_rt;
+  // No Python frame of pymem's may be traced by a torch.compile'd caller's frame callback.
+  py::object prior_frame = R.set_eval_frame(py::none());
+  struct FrameRestore {
+    const RuntimeRefs& R;
+    py::object& prior;
+    ~FrameRestore() {
+      try {
+        R.set_eval_frame(prior);
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("pymem: restoring Dynamo's frame callback");
+      }
+    }
+  } frame_restore{R, prior_frame};
+
+  const OpFacts& f = facts_of(R, op);
+  const py::object& rt = R.rt;
+  // Cases the Python path owns (run_op): not active; costs estimated (a CUDA timer sees only the
+  // launch); a copy to or from host memory pending (swap.after_op); a thread seen for the first
+  // time (threads.seen); an op that is not pure bookkeeping.
+  // A view-only op (every output aliases an input) takes this path in those two cases too: its
+  // cost is its measured time (a view's estimate is as near zero), and swap.after_op runs below.
+  // It must: torch's own C++ makes views that Python then adopts (Tensor._make_subclass, under
+  // nn.Parameter, detaches its data and gives the new tensor a Parameter object), and the Python
+  // path would already have given that tensor a plain Tensor object.
+  const bool view_only = !f.fresh_returns;
+  if (!f.eligible || !truthy(rt.attr(N->active)) || (!view_only && !rt.attr(N->cost_model).is_none())) {
+    ++g_stats.slow;
+    return false;
+  }
+  py::object swap = rt.attr(N->swap);
+  if (!view_only && !swap.is_none() && (truthy(swap.attr(N->offloaded)) || truthy(swap.attr(N->in_flight)))) {
+    ++g_stats.slow;
+    return false;
+  }
+  {
+    py::int_ ident(PyThread_get_thread_ident());
+    if (PySet_Contains(R.threads_managed.ptr(), ident.ptr()) != 1) {
+      ++g_stats.slow;
+      return false;
+    }
+  }
+  const auto& schema = op.schema();
+  const size_t n = schema.arguments().size();
+  std::vector<at::Tensor> ins;
+  for (const c10::IValue& v : torch::jit::last(*stack, n)) gather(v, ins);
+
+  R.acquire();
+  struct Unlock {
+    const RuntimeRefs& R;
+    bool held = true;
+    ~Unlock() {
+      if (!held) return;
+      try {
+        R.release();
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("pymem: releasing the runtime's lock");
+      }
+    }
+  } unlock{R};
+
+  // run_op: inputs to records (a leaf record for a storage seen for the first time).
+  py::list recs(ins.size());  // None where an input is not managed
+  for (size_t j = 0; j < ins.size(); ++j) recs[j] = py::none();
+  std::vector<py::object> py_ins(ins.size());
+  bool managed = true;
+  for (size_t j = 0; j < ins.size(); ++j) {
+    const at::Tensor& t = ins[j];
+    if (!is_managed_tensor(t, R.device)) {
+      managed = false;
+      continue;  // recs[j] stays None
+    }
+    const uintptr_t key = key_of(t);
+    py::int_ pykey(key);
+    PyObject* found = PyDict_GetItemWithError(R.table.ptr(), pykey.ptr());
+    if (found == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    py_ins[j] = wrap(t);
+    py::object r;
+    if (found != nullptr) {
+      r = py::reinterpret_borrow<py::object>(found);
+    } else if (key == 0) {
+      managed = false;
+      continue;
+    } else {
+      r = R.new_record(py_ins[j], pykey, 0.0, py::none(), R.leaf_name);
+    }
+    if (truthy(r.attr(N->evicted))) {  // a restore: the Python path's
+      ++g_stats.slow;
+      return false;
+    }
+    recs[j] = r;
+  }
+  add_locks(recs, +1);
+  struct UnlockInputs {
+    const RuntimeRefs& R;
+    py::list& recs;
+    bool held = true;
+    ~UnlockInputs() {
+      if (!held) return;
+      try {
+        unlist(R.running, recs);
+        add_locks(recs, -1);
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("pymem: unlocking an op's inputs");
+      }
+    }
+  } unlock_inputs{R, recs};
+  const bool recomputable = managed && rt.attr(N->no_recipes).cast<long>() == 0 &&
+                            (c10::GradMode::is_enabled() || R.graph_task_id().cast<long>() < 0);
+  PyList_Append(R.running.ptr(), recs.ptr());
+  const double handled = R.pressure.attr(N->seconds).cast<double>();
+  const size_t base = stack->size() - n;
+  std::vector<c10::IValue> saved(torch::jit::last(*stack, n).begin(), torch::jit::last(*stack, n).end());
+
+  // The kernel, with the runtime's lock and the GIL released (Runtime._kernel).
+  R.release();
+  unlock.held = false;
+  const double t0 = now_seconds();
+  std::exception_ptr failure;
+  {
+    py::gil_scoped_release no_gil;
+    try {
+      op.redispatchBoxed(below, stack);
+    } catch (...) {
+      failure = std::current_exception();
+    }
+  }
+  const double t1 = now_seconds();
+  R.acquire();
+  unlock.held = true;
+  if (failure) {
+    unlock_inputs.held = false;
+    unlist(R.running, recs);
+    add_locks(recs, -1);
+    if (!refused(failure)) std::rethrow_exception(failure);
+    // A functional op that ran out leaves no trace: give the Python path its arguments back.
+    stack->resize(base);  // whatever the kernel left
+    stack->insert(stack->end(), saved.begin(), saved.end());
+    ++g_stats.slow;
+    return false;
+  }
+  const double cost = (t1 - t0) - (R.pressure.attr(N->seconds).cast<double>() - handled);
+  unlock_inputs.held = false;
+  unlist(R.running, recs);
+  add_locks(recs, -1);
+
+  rt.attr(N->num_ops) = py::int_(rt.attr(N->num_ops).cast<long>() + 1);
+  const double now = rt.attr(N->clock).cast<double>() + cost;
+  py::float_ py_now(now);
+  rt.attr(N->clock) = py_now;
+  for (py::handle r : recs)
+    if (!r.is_none()) r.attr(N->last_access) = py_now;
+  swap = rt.attr(N->swap);
+  if (!swap.is_none() && (truthy(swap.attr(N->offloaded)) || truthy(swap.attr(N->in_flight))))
+    swap.attr(N->after_op)();  // the kernel's pressure offloaded something
+
+  // The recipe the outputs share (run_op: refs, targs, tkw).
+  py::object refs = py::none(), targs, tkw;
+  int64_t depth = 1;
+  if (recomputable && f.fresh_returns) {
+    for (py::handle r : recs)
+      if (!r.attr(N->recipe).is_none()) depth = std::max(depth, r.attr(N->depth).cast<int64_t>() + 1);
+    if (depth <= R.depth_limit) {
+      py::list l(ins.size());
+      for (size_t j = 0; j < ins.size(); ++j) l[j] = input_ref(R, recs[j], ins[j]);
+      refs = std::move(l);
+      const auto& arguments = schema.arguments();
+      size_t num_positional = 0;
+      for (const auto& a : arguments) num_positional += a.kwarg_only() ? 0 : 1;
+      py::tuple args(num_positional);
+      py::dict kwargs;
+      size_t counter = 0, p = 0;
+      for (size_t i = 0; i < n; ++i) {
+        py::object v = templated(R, saved[i], counter);
+        if (arguments[i].kwarg_only())
+          kwargs[py::str(arguments[i].name())] = std::move(v);
+        else
+          args[p++] = std::move(v);
+      }
+      targs = std::move(args);
+      tkw = std::move(kwargs);
+    }
+  }
+
+  // Outputs: a known storage (a view) is touched; a fresh one gets a record (and the recipe).
+  const size_t num_returns = schema.returns().size();
+  size_t index = 0;
+  auto output = [&](const at::Tensor& o) {
+    const size_t i = index++;
+    if (!is_managed_tensor(o, R.device)) return;
+    const uintptr_t key = key_of(o);
+    if (key == 0) return;
+    py::int_ pykey(key);
+    PyObject* found = PyDict_GetItemWithError(R.table.ptr(), pykey.ptr());
+    if (found == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (found != nullptr) {
+      py::handle(found).attr(N->last_access) = py_now;
+      return;
+    }
+    py::object recipe = py::none();
+    if (!refs.is_none())
+      recipe = R.recipe_type(f.func, targs, tkw, refs, py::make_tuple(R.ret_name, i), py::none());
+    py::object created = R.new_record(wrap(o), pykey, cost, recipe, f.name);
+    created.attr(N->depth) = py::int_(depth);
+    if (!recipe.is_none()) R.link(recs, created);
+  };
+  for (const c10::IValue& v : torch::jit::last(*stack, num_returns)) {
+    if (v.isTensor()) {
+      output(v.toTensor());
+    } else if (v.isTensorList()) {
+      for (const at::Tensor& o : v.toTensorList().vec()) output(o);
+    } else if (v.isList()) {
+      for (const c10::IValue& x : v.toListRef()) {
+        if (x.isTensor()) output(x.toTensor());
+        else ++index;
+      }
+    } else {
+      ++index;
+    }
+  }
+  ++g_stats.fast;
+  return true;
+}
+
+}  // namespace pymem

@@ -1,0 +1,37 @@
+// fast_op.h — the bookkeeping of a common op, done in C++ (issue 14's hot path, first slice).
+//
+// The interception (intercept.cpp) offers every op it sees to run_fast_op first. An op qualifies
+// when the runtime's Python path would do nothing but bookkeeping for it: a pure aten/prims op that
+// writes no argument, draws no random numbers and is not a collective, none of whose inputs is
+// released (evicted or offloaded), with no copy to or from host memory under way, costs timed (not
+// estimated), on a thread the runtime already counts as managed. For such an op this file does
+// exactly what Runtime.run_op does (runtime.py: same records, recipes, clock, costs, locks), driving
+// the runtime's own Python objects through the C API, with no Python frame on the path but the
+// constructors of the few objects an op makes (a Record per fresh output, its Recipe and ArgRefs).
+// Anything else returns false with the stack untouched, and the op takes the Python path.
+//
+// A refused allocation in the kernel (the op is functional: it left no trace) also returns false,
+// with the stack as it was: the Python path runs it again and retries as it does for any op.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
+namespace pymem {
+
+// `runtime`: the Runtime whose records the fast path keeps (None: off). The runtime must have the
+// attributes run_op uses (table, running, lock, pressure, clock, num_ops, ...; see fast_op.cpp).
+void set_fast_path(pybind11::object runtime);
+
+// GIL held, Fake excluded (intercept.cpp). True: the op ran and its outputs are on the stack.
+bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack);
+
+struct FastPathStats {
+  int64_t fast = 0;  // ops whose bookkeeping ran here
+  int64_t slow = 0;  // ops handed to the Python path
+};
+FastPathStats fast_path_stats();
+
+}  // namespace pymem
