@@ -37,6 +37,17 @@ def _train(steps=3, budget=None):
     return out, stats, name
 
 
+@pytest.fixture
+def under_dispatcher(monkeypatch):
+    """A runtime at a budget far above need, seeing ops through the dispatcher."""
+    monkeypatch.setenv("PYMEM_INTERCEPT", "dispatcher")
+    rt = pymem.enable(budget="64MB", device="cpu")
+    try:
+        yield rt
+    finally:
+        pymem.disable()
+
+
 def _bitwise(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
@@ -62,13 +73,9 @@ def test_the_dispatcher_and_the_mode_book_the_same_ops_and_train_bitwise(monkeyp
         assert stats["allocated_bytes.peak"] <= budget
 
 
-def test_the_dispatcher_turns_its_key_on_and_off_for_the_thread(monkeypatch):
-    monkeypatch.setenv("PYMEM_INTERCEPT", "dispatcher")
-    rt = pymem.enable(budget="64MB", device="cpu")
-    try:
-        assert rt.interception.name == "dispatcher" and _C.interception_included()
-    finally:
-        pymem.disable()
+def test_the_dispatcher_turns_its_key_on_and_off_for_the_thread(under_dispatcher):
+    assert under_dispatcher.interception.name == "dispatcher" and _C.interception_included()
+    pymem.disable()
     assert not _C.interception_included()  # the thread's dispatch keys are as before
 
 
@@ -88,44 +95,30 @@ def test_an_unknown_interception_is_refused_with_the_accepted_ones(monkeypatch):
     assert not pymem.is_enabled()
 
 
-def test_a_failing_kernel_raises_its_error_and_leaves_no_lock(monkeypatch):
-    monkeypatch.setenv("PYMEM_INTERCEPT", "dispatcher")
-    rt = pymem.enable(budget="64MB", device="cpu")
-    try:
-        a, b = torch.ones(2, 3), torch.ones(2, 3)
-        with pytest.raises(RuntimeError, match="cannot be multiplied"):
-            a @ b
-        assert all(r.locks == 0 for r in rt.table.values()) and rt.running == []
-        assert torch.equal(a + b, torch.full((2, 3), 2.0))  # and the runtime goes on
-    finally:
-        pymem.disable()
+def test_a_failing_kernel_raises_its_error_and_leaves_no_lock(under_dispatcher):
+    rt = under_dispatcher
+    a, b = torch.ones(2, 3), torch.ones(2, 3)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        a @ b
+    assert all(r.locks == 0 for r in rt.table.values()) and rt.running == []
+    assert torch.equal(a + b, torch.full((2, 3), 2.0))  # and the runtime goes on
 
 
-def test_fake_tensors_pass_through_untouched(monkeypatch):
+def test_fake_tensors_pass_through_untouched(under_dispatcher):
     """A FakeTensor reports the CPU as its device over a meta storage: not pymem's to manage."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    monkeypatch.setenv("PYMEM_INTERCEPT", "dispatcher")
-    rt = pymem.enable(budget="64MB", device="cpu")
-    try:
-        records = len(rt.table)
-        with FakeTensorMode():
-            y = (torch.empty(1 << 20) + 1).sum()
-        assert y.device.type == "cpu" and len(rt.table) <= records + 1
-    finally:
-        pymem.disable()
+    records = len(under_dispatcher.table)
+    with FakeTensorMode():
+        y = (torch.empty(1 << 20) + 1).sum()
+    assert y.device.type == "cpu" and len(under_dispatcher.table) <= records + 1
 
 
-def test_an_evicted_input_is_restored_through_the_python_path(monkeypatch):
-    monkeypatch.setenv("PYMEM_INTERCEPT", "dispatcher")
-    rt = pymem.enable(budget="64MB", device="cpu")
-    try:
-        x = torch.randn(256, 256)
-        y = x.sin()
-        want = y.clone()
-        pymem.evict(y)
-        assert pymem.is_evicted(y)
-        z = y * 2  # the fast path refuses (an evicted input); run_op recomputes y first
-        assert not pymem.is_evicted(y) and torch.equal(z, want * 2)
-        assert rt.residency.num_rematerializations == 1
-    finally:
-        pymem.disable()
+def test_an_evicted_input_is_restored_through_the_python_path(under_dispatcher):
+    x = torch.randn(256, 256)
+    y = x.sin()
+    want = y.clone()
+    pymem.evict(y)
+    assert pymem.is_evicted(y)
+    z = y * 2  # the fast path refuses (an evicted input); run_op recomputes y first
+    assert not pymem.is_evicted(y) and torch.equal(z, want * 2)
+    assert under_dispatcher.residency.num_rematerializations == 1
