@@ -80,11 +80,8 @@ class _Managed:
             failure = str(e)
         if failure is not None:
             # Leave plain PyTorch behind at least, so the following tests are unaffected.
-            mode = getattr(self.rt, "mode", None)
-            if mode is not None:
-                with contextlib.suppress(Exception):
-                    mode.__exit__(None, None, None)
-                self.rt.mode = None
+            with contextlib.suppress(Exception):
+                self.rt.interception.stop()
             pymem.uninstall_cpu_hook()
             pytest.fail(failure)  # outside the handler: the interrupted frames are not reported
 
