@@ -109,7 +109,6 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
     return d;
   });
   m.def("interception_included", &pymem::included_on_this_thread);
-  m.def("interception_num_seen", &pymem::interception_num_seen);
   m.def("alias_tensor", &pymem::alias_tensor, py::arg("tensor"),
         "A new tensor sharing the storage and view metadata, outside autograd and the dispatcher.");
 #else

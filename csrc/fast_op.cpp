@@ -1,5 +1,5 @@
 // fast_op.cpp — Runtime.run_op's common case in C++ (see fast_op.h). Every step below names the
-// lines of runtime.py it mirrors; the two must change together (test_fast_path.py compares them).
+// lines of runtime.py it mirrors; the two must change together (tests/test_interception.py trains under both and compares).
 #include "fast_op.h"
 
 #include "intercept.h"
@@ -376,19 +376,8 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       py::list l(ins.size());
       for (size_t j = 0; j < ins.size(); ++j) l[j] = input_ref(R, recs[j], ins[j]);
       refs = std::move(l);
-      const auto& arguments = schema.arguments();
-      size_t num_positional = 0;
-      for (const auto& a : arguments) num_positional += a.kwarg_only() ? 0 : 1;
-      py::tuple args(num_positional);
-      py::dict kwargs;
-      size_t counter = 0, p = 0;
-      for (size_t i = 0; i < n; ++i) {
-        py::object v = templated(R, saved[i], counter);
-        if (arguments[i].kwarg_only())
-          kwargs[py::str(arguments[i].name())] = std::move(v);
-        else
-          args[p++] = std::move(v);
-      }
+      size_t counter = 0;
+      auto [args, kwargs] = python_call_arguments(schema, [&](size_t i) { return templated(R, saved[i], counter); });
       targs = std::move(args);
       tkw = std::move(kwargs);
     }

@@ -24,7 +24,6 @@ constexpr c10::DispatchKey kKey = c10::DispatchKey::Fake;
 // Read without the GIL on every op; the handler object itself is touched only under the GIL.
 std::atomic<bool> g_on{false};
 std::atomic<int8_t> g_device{static_cast<int8_t>(c10::DeviceType::CPU)};
-std::atomic<int64_t> g_seen{0};
 PyObject* g_handler = nullptr;  // owned; guarded by the GIL
 std::unique_ptr<torch::Library> g_library;
 
@@ -55,24 +54,14 @@ bool wanted(const torch::jit::Stack& stack, size_t num_args) {
 }
 
 // The op's arguments as Python (args, kwargs), keyword-only ones by name, popped off the stack.
+// The op's arguments as Python (args, kwargs), popped off the stack.
 std::pair<py::tuple, py::dict> pop_python_arguments(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
-  const auto& arguments = schema.arguments();
-  const size_t n = arguments.size();
-  size_t num_positional = 0;
-  for (const auto& a : arguments) num_positional += a.kwarg_only() ? 0 : 1;
-  py::tuple args(num_positional);
-  py::dict kwargs;
+  const size_t n = schema.arguments().size();
   auto first = stack->end() - static_cast<std::ptrdiff_t>(n);
-  size_t p = 0;
-  for (size_t i = 0; i < n; ++i) {
-    py::object v = torch::jit::toPyObject(std::move(first[static_cast<std::ptrdiff_t>(i)]));
-    if (arguments[i].kwarg_only())
-      kwargs[py::str(arguments[i].name())] = std::move(v);
-    else
-      args[p++] = std::move(v);
-  }
+  auto out = python_call_arguments(
+      schema, [&](size_t i) { return torch::jit::toPyObject(std::move(first[static_cast<std::ptrdiff_t>(i)])); });
   torch::jit::drop(*stack, n);
-  return {std::move(args), std::move(kwargs)};
+  return out;
 }
 
 void push_python_result(const c10::FunctionSchema& schema, torch::jit::Stack* stack, const py::object& out) {
@@ -97,7 +86,6 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
     op.redispatchBoxed(below, stack);
     return;
   }
-  g_seen.fetch_add(1, std::memory_order_relaxed);
   py::gil_scoped_acquire gil;
   if (g_handler == nullptr) {  // set to None after the flag was read
     py::gil_scoped_release no_gil;
@@ -162,6 +150,5 @@ bool set_excluded_on_this_thread(bool on) {
 
 bool included_on_this_thread() { return c10::impl::tls_is_dispatch_key_included(kKey); }
 
-int64_t interception_num_seen() { return g_seen.load(std::memory_order_relaxed); }
 
 }  // namespace pymem

@@ -19,6 +19,7 @@
 #include <pybind11/pybind11.h>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/function_schema.h>
 #include <c10/core/DeviceType.h>
 
 #include <string>
@@ -48,7 +49,24 @@ bool set_included_on_this_thread(bool on);
 bool set_excluded_on_this_thread(bool on);
 bool included_on_this_thread();
 
-// Ops the fallback saw since the process started (tests: proves an op was seen, not just run).
-int64_t interception_num_seen();
+// The op's arguments as a Python call's (args, kwargs), keyword-only ones by name: `convert(i)`
+// makes the i-th argument's Python value. The Python path's call and a recipe's template share it.
+template <class Convert>
+std::pair<pybind11::tuple, pybind11::dict> python_call_arguments(const c10::FunctionSchema& schema, Convert&& convert) {
+  const auto& arguments = schema.arguments();
+  size_t num_positional = 0;
+  for (const auto& a : arguments) num_positional += a.kwarg_only() ? 0 : 1;
+  pybind11::tuple args(num_positional);
+  pybind11::dict kwargs;
+  size_t p = 0;
+  for (size_t i = 0; i < arguments.size(); ++i) {
+    pybind11::object v = convert(i);
+    if (arguments[i].kwarg_only())
+      kwargs[pybind11::str(arguments[i].name())] = std::move(v);
+    else
+      args[p++] = std::move(v);
+  }
+  return {std::move(args), std::move(kwargs)};
+}
 
 }  // namespace pymem

@@ -105,11 +105,6 @@ class DispatcherInterception:
         self.rt = rt
         self._prior = False
 
-    @staticmethod
-    def unavailable() -> str:
-        """Why the fallback cannot be registered in this torch ("" if it can)."""
-        return _C.install_interception()
-
     def start(self) -> None:
         why = _C.install_interception()
         if why:
