@@ -84,13 +84,13 @@ uintptr_t key_of(const at::Tensor& t) {  // _C.storage_key
 
 // _gather: tensor arguments in order, one level of lists.
 void gather(const c10::IValue& v, std::vector<at::Tensor>& out) {
-  if (v.isTensor()) {
+  if (is_tensor_arg(v)) {
     out.push_back(v.toTensor());
   } else if (v.isTensorList()) {
     for (const at::Tensor& t : v.toTensorList().vec()) out.push_back(t);
   } else if (v.isList()) {
     for (const c10::IValue& x : v.toListRef())
-      if (x.isTensor()) out.push_back(x.toTensor());
+      if (is_tensor_arg(x)) out.push_back(x.toTensor());
   }
 }
 
@@ -100,12 +100,12 @@ py::object templated(const RuntimeRefs& R, const c10::IValue& v, size_t& counter
     const size_t i = counter++;
     return i < 256 ? py::reinterpret_borrow<py::object>(PyList_GET_ITEM(R.slots.ptr(), i)) : R.slot_type(i);
   };
-  if (v.isTensor()) return slot();
+  if (is_tensor_arg(v)) return slot();
   if (v.isTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())) {
     const auto items = v.toListRef();
     py::list out(items.size());
     for (size_t i = 0; i < items.size(); ++i)
-      out[i] = items[i].isTensor() ? slot() : torch::jit::toPyObject(items[i]);
+      out[i] = is_tensor_arg(items[i]) ? slot() : torch::jit::toPyObject(items[i]);
     return std::move(out);
   }
   return torch::jit::toPyObject(v);

@@ -33,7 +33,7 @@ bool wanted(const torch::jit::Stack& stack, size_t num_args) {
   const auto device = static_cast<c10::DeviceType>(g_device.load(std::memory_order_relaxed));
   bool any_tensor = false;
   for (const c10::IValue& v : torch::jit::last(stack, num_args)) {
-    if (v.isTensor()) {
+    if (is_tensor_arg(v)) {
       any_tensor = true;
       if (is_managed_tensor(v.toTensor(), device)) return true;
     } else if (v.isTensorList()) {
@@ -43,7 +43,7 @@ bool wanted(const torch::jit::Stack& stack, size_t num_args) {
       }
     } else if (v.isList()) {  // Tensor?[] (index): a generic list
       for (const c10::IValue& x : v.toListRef()) {
-        if (x.isTensor()) {
+        if (is_tensor_arg(x)) {
           any_tensor = true;
           if (is_managed_tensor(x.toTensor(), device)) return true;
         }
@@ -54,7 +54,6 @@ bool wanted(const torch::jit::Stack& stack, size_t num_args) {
 }
 
 // The op's arguments as Python (args, kwargs), keyword-only ones by name, popped off the stack.
-// The op's arguments as Python (args, kwargs), popped off the stack.
 std::pair<py::tuple, py::dict> pop_python_arguments(const c10::FunctionSchema& schema, torch::jit::Stack* stack) {
   const size_t n = schema.arguments().size();
   auto first = stack->end() - static_cast<std::ptrdiff_t>(n);

@@ -33,6 +33,10 @@ inline bool is_managed_tensor(const at::Tensor& t, c10::DeviceType device) {
   return !t.has_storage() || t.storage().device_type() == device;
 }
 
+// A tensor argument as Python sees it: an optional tensor passed as an undefined one (F.conv2d's
+// bias=None reaches the dispatcher so) is None, not a tensor.
+inline bool is_tensor_arg(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
+
 // Registers the fallback (once per process). "" on success, else why it cannot be registered.
 std::string install_interception();
 bool interception_installed();

@@ -122,3 +122,21 @@ def test_an_evicted_input_is_restored_through_the_python_path(under_dispatcher):
     z = y * 2  # the fast path refuses (an evicted input); run_op recomputes y first
     assert not pymem.is_evicted(y) and torch.equal(z, want * 2)
     assert under_dispatcher.residency.num_rematerializations == 1
+
+
+@pytest.mark.parametrize("interception", ["mode", "dispatcher"])
+def test_a_conv_without_bias_is_recomputable(monkeypatch, interception):
+    """F.conv2d hands an absent bias to the dispatcher as an undefined tensor, not None: it is no
+    input, so the output still gets a recipe (counted as an unmanaged input, every bias-less
+    convolution's output was a leaf, never released: ResNet ran out of budget)."""
+    monkeypatch.setenv("PYMEM_INTERCEPT", interception)
+    rt = pymem.enable(budget="64MB", device="cpu")
+    try:
+        conv = nn.Conv2d(3, 4, 3, bias=False)
+        y = conv(torch.randn(2, 3, 8, 8))
+        want = y.detach().clone()
+        assert rt.table[_C.storage_key(y)].recipe is not None
+        pymem.evict(y)
+        assert torch.equal(y.detach() + 0, want)
+    finally:
+        pymem.disable()
