@@ -33,9 +33,14 @@ inline bool is_managed_tensor(const at::Tensor& t, c10::DeviceType device) {
   return !t.has_storage() || t.storage().device_type() == device;
 }
 
-// A tensor argument as Python sees it: an optional tensor passed as an undefined one (F.conv2d's
-// bias=None reaches the dispatcher so) is None, not a tensor.
-inline bool is_tensor_arg(const c10::IValue& v) { return v.isTensor() && v.toTensor().defined(); }
+// A tensor argument as Python sees it (torch::jit::toPyObject): an optional tensor passed as an
+// undefined one (F.conv2d's bias=None reaches the dispatcher so) is None, and a wrapped number (the
+// 0-dim tensor `x + 1` makes of its 1) is that Python number; neither is an input to record.
+inline bool is_tensor_arg(const c10::IValue& v) {
+  if (!v.isTensor()) return false;
+  const at::Tensor& t = v.toTensor();
+  return t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number();
+}
 
 // Registers the fallback (once per process). "" on success, else why it cannot be registered.
 std::string install_interception();

@@ -140,3 +140,23 @@ def test_a_conv_without_bias_is_recomputable(monkeypatch, interception):
         assert torch.equal(y.detach() + 0, want)
     finally:
         pymem.disable()
+
+
+@pytest.mark.parametrize("interception", ["mode", "dispatcher"])
+def test_a_python_number_is_no_input(monkeypatch, interception):
+    """`x + 1` hands the dispatcher its 1 as a wrapped-number tensor, which a mode sees as the number:
+    neither interception records it (as a leaf that every recipe of such an op would hold)."""
+    monkeypatch.setenv("PYMEM_INTERCEPT", interception)
+    rt = pymem.enable(budget="64MB", device="cpu")
+    try:
+        x = torch.randn(64)
+        y = x + 1
+        before = len(rt.table)
+        z = y * 2.5
+        assert len(rt.table) == before + 1  # z alone
+        recipe = rt.table[_C.storage_key(z)].recipe
+        assert recipe.args[1] == 2.5 and len(recipe.refs) == 1
+        pymem.evict(z)
+        assert torch.equal(z + 0, (x + 1) * 2.5)
+    finally:
+        pymem.disable()

@@ -212,3 +212,16 @@ def test_a_backward_op_on_an_autograd_worker_thread_is_seen():
     assert seen and seen[0] != threading.get_ident(), "the engine ran this backward on the calling thread"
     assert seen[0] in managed_threads and st["num_rematerializations"] >= 1
     assert all_bitwise_equal([got], [want])
+
+
+def test_pressure_handled_on_another_thread_is_not_this_threads_op_cost():
+    """An op's cost is its kernel's time less the pressure handling inside its own allocations.
+    Handling on another thread while this op's kernel ran is not part of it: counted as this op's,
+    it made costs negative (DTR's neighbourhood then refused the evicted value)."""
+    rt = pymem.enable(64 << 20, device="cpu")
+    try:
+        before = rt.pressure.seconds
+        _in_thread(lambda: rt.pressure(1 << 30, None))  # a handler run for a request nothing fits
+        assert rt.pressure.seconds == before
+    finally:
+        pymem.disable()

@@ -38,7 +38,9 @@ class PressureHandler:
         self._freed = 0     # bytes released one at a time for the pending request
         # Time spent here, inside some op's allocation: the runtime takes it out of that op's
         # measured cost, which would otherwise depend on whether the op happened to hit pressure.
-        self.seconds = 0.0
+        # Per thread: the handler runs on the allocating thread, and another thread's handling while
+        # this thread's kernel ran is not this op's (a shared count made costs negative).
+        self._spent = threading.local()
 
     def __call__(self, request: int, window) -> None:
         rt = self.rt
@@ -49,9 +51,14 @@ class PressureHandler:
             try:
                 self._make_room(request, window)
             finally:
-                self.seconds += _perf() - t0
+                self._spent.seconds = self.seconds + (_perf() - t0)
             if unmanaged and _progress(rt.arena) == before:
                 rt.threads.check_current(request)
+
+    @property
+    def seconds(self) -> float:
+        """This thread's time in the handler so far."""
+        return getattr(self._spent, "seconds", 0.0)
 
     def _make_room(self, request: int, window) -> None:
         rt = self.rt
