@@ -79,8 +79,14 @@ def test_the_dispatcher_turns_its_key_on_and_off_for_the_thread(under_dispatcher
     assert not _C.interception_included()  # the thread's dispatch keys are as before
 
 
-def test_the_mode_is_the_default(monkeypatch):
+def test_the_dispatcher_is_the_default_and_the_mode_can_be_asked_for(monkeypatch):
     monkeypatch.delenv("PYMEM_INTERCEPT", raising=False)
+    rt = pymem.enable(budget="64MB", device="cpu")
+    try:
+        assert rt.interception.name == "dispatcher" and _C.interception_included()
+    finally:
+        pymem.disable()
+    monkeypatch.setenv("PYMEM_INTERCEPT", "mode")
     rt = pymem.enable(budget="64MB", device="cpu")
     try:
         assert rt.interception.name == "mode" and not _C.interception_included()

@@ -1,15 +1,16 @@
-"""How the runtime sees every aten op: a Python TorchDispatchMode, or the dispatcher (C++).
+"""How the runtime sees every aten op: the dispatcher (C++) or a Python TorchDispatchMode.
 
-``mode`` (the default): a TorchDispatchMode per thread; every op goes through ``Runtime.run_op``.
-``dispatcher`` (``PYMEM_INTERCEPT=dispatcher``; issue 14, in progress): pymem's boxed fallback on
+``dispatcher`` (the default where this torch takes the fallback): pymem's boxed fallback on
 DispatchKey::Fake (``csrc/intercept.cpp``), included in each managed thread's dispatch keys. Common
 ops are booked in C++ (``csrc/fast_op.cpp``, about 3x less per op than the mode); the rest reach
-``run_op`` as a mode's would. It stays opt-in until it passes the whole suite: the HF ResNet at 0.5
-and 0.4 of its peak runs out of budget under it (the mode trains it), and distributed runs crash.
+``run_op`` as a mode's would. No mode is active under it, so ATen's isTensorSubclassLike() stays
+false and kernels take the path they take unmanaged (under any mode, masked_fill's and prod's
+gradients round differently: tests/test_opinfo.py).
+``mode`` (``PYMEM_INTERCEPT=mode``, and where torch refuses the fallback: a torch that owns
+DispatchKey::Fake): a TorchDispatchMode per thread; every op goes through ``Runtime.run_op``.
 Both see the same ops: the forward's, and the backward formulas' on the autograd engine's threads
 (they inherit the thread's dispatch state, mode stack and keys alike); neither sees the ops a kernel
-runs inside itself. Where this torch refuses the fallback (a torch that owns DispatchKey::Fake),
-asking for the dispatcher is an error that says so.
+runs inside itself. Asking for the dispatcher where torch refuses it is an error that says so.
 """
 import contextlib
 import functools

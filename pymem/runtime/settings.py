@@ -84,9 +84,11 @@ def check_choices(policy="dtr", allocator: str = "arena", sampling: bool = False
 
 
 def check_intercept() -> str:
-    """How ops reach the runtime (interception.py): ``PYMEM_INTERCEPT`` if set, else the mode (the
-    dispatcher is opt-in until it passes the whole suite: see interception.py)."""
-    asked = os.environ.get("PYMEM_INTERCEPT", "mode")
+    """How ops reach the runtime (interception.py): ``PYMEM_INTERCEPT`` if set, else the dispatcher
+    where this torch takes pymem's fallback, and the mode where it does not (the same ops, slower)."""
+    asked = os.environ.get("PYMEM_INTERCEPT")
+    if asked is None:
+        return "mode" if _C.install_interception() else "dispatcher"
     if asked not in INTERCEPTS:
         raise ValueError(f"PYMEM_INTERCEPT={asked!r} is not accepted; accepted: {_accepted(INTERCEPTS)}")
     if asked == "dispatcher":
