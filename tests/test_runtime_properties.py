@@ -166,12 +166,21 @@ def unmanaged_peak(program) -> int:
 # PYMEM_PROPERTY_EXAMPLES=400 for a longer search than CI's.
 @settings(max_examples=int(os.environ.get("PYMEM_PROPERTY_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=st.lists(step, min_size=1, max_size=25), policy=st.sampled_from(["dtr", "lru", "coop"]),
-       allocator=st.sampled_from(["arena", "native"]), sampling=st.booleans(), ratio=st.sampled_from([0.75, 0.5]))
-def test_random_programs_are_bitwise_equal_under_a_tight_budget(program, policy, allocator, sampling, ratio):
+       allocator=st.sampled_from(["arena", "native"]), sampling=st.booleans(), ratio=st.sampled_from([0.75, 0.5]),
+       intercept=st.sampled_from(["dispatcher", "mode"]))
+def test_random_programs_are_bitwise_equal_under_a_tight_budget(program, policy, allocator, sampling, ratio, intercept):
     want = run(program, managed=False)
     # A share of the program's peak, plus the arena's small region: the pressure handler must release.
     budget = int(ratio * unmanaged_peak(program)) // 512 * 512 + 64 * 1024
-    pymem.enable(budget, policy=policy, allocator=allocator, sampling=sampling)
+    prior = os.environ.get("PYMEM_INTERCEPT")
+    os.environ["PYMEM_INTERCEPT"] = intercept  # both ways of seeing ops, the default and the mode
+    try:
+        pymem.enable(budget, policy=policy, allocator=allocator, sampling=sampling)
+    finally:
+        if prior is None:
+            del os.environ["PYMEM_INTERCEPT"]
+        else:
+            os.environ["PYMEM_INTERCEPT"] = prior
     try:
         got = run(program, managed=True)
         stats = pymem.memory_stats()
