@@ -1,16 +1,19 @@
-"""The arena tests again, against a torch-free build of the arena with -fsanitize=address,undefined.
-
-The module is compiled here (a few seconds), then the property, window, error and thread tests
-run in a subprocess with the sanitizer runtimes preloaded (python itself is not instrumented).
-Any ASan or UBSan report fails the run: halt_on_error is set for both.
+"""pymem's C++ under -fsanitize=address,undefined: the arena tests against a torch-free build of the
+arena (a few seconds to compile), and the runtime's tests against the whole extension (the torch side
+too: about 2.5 min). Each runs in a subprocess with the sanitizer runtimes preloaded (python and
+torch themselves are not instrumented). Any ASan or UBSan report fails the run: halt_on_error is set
+for both.
 """
 import os
+import re
 import shutil
 import subprocess
 import sys
 import sysconfig
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # setup.py's EXT_SOURCES less the torch side (allocator_install, hook_*, storage): those need libtorch.
@@ -59,3 +62,70 @@ def test_arena_tests_pass_under_asan_and_ubsan(asan_module):
     assert "ERROR: AddressSanitizer" not in report and "runtime error:" not in report, report
     assert " passed" in proc.stdout and "failed" not in proc.stdout, report
     assert "skipped" not in proc.stdout, report
+
+
+def _setup_sources():
+    """setup.py's EXT_SOURCES (CORE + the rest), read from its text: the two lists cannot drift."""
+    text = open(os.path.join(ROOT, "setup.py")).read()
+    lists = {name: re.findall(r'"([\w]+\.cpp)"', re.search(rf"^{name} = (.*)$", text, re.M).group(1))
+             for name in ("CORE", "EXT_SOURCES")}
+    return lists["CORE"] + lists["EXT_SOURCES"]
+
+
+@pytest.fixture(scope="module")
+def asan_package(tmp_path_factory):
+    """pymem with its whole extension (the torch side too: interception, fast path, hooks, storage)
+    built with -fsanitize=address,undefined, in a copy of the package. About 2.5 min on 2 cores."""
+    pybind11 = pytest.importorskip("pybind11")
+    from torch.utils.cpp_extension import include_paths, library_paths
+    cxx = os.environ.get("CXX", "c++")
+    if not shutil.which(cxx) or not runtime("libasan.so") or not runtime("libubsan.so"):
+        pytest.skip("no C++ compiler with the ASan/UBSan runtimes")
+    tmp = tmp_path_factory.mktemp("asan_torch")
+    pkg = tmp / "pkg"
+    shutil.copytree(os.path.join(ROOT, "pymem"), pkg / "pymem",
+                    ignore=shutil.ignore_patterns("_C.*", "__pycache__"))
+    flags = ["-std=c++17", "-O0", "-g", "-fno-omit-frame-pointer", "-fsanitize=address,undefined",
+             "-fno-sanitize-recover=all", "-fPIC", "-DTORCH_EXTENSION_NAME=_C", "-DTORCH_API_INCLUDE_EXTENSION_H",
+             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch.compiled_with_cxx11_abi())}",
+             "-I" + pybind11.get_include(), "-I" + sysconfig.get_paths()["include"],
+             *["-I" + p for p in include_paths()]]
+
+    def compile_one(src):
+        obj = str(tmp / (src + ".o"))
+        subprocess.run([cxx, *flags, "-w", "-c", os.path.join(ROOT, "csrc", src), "-o", obj], check=True)
+        return obj
+
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+        objs = list(pool.map(compile_one, _setup_sources()))
+    out = pkg / "pymem" / ("_C" + sysconfig.get_config_var("EXT_SUFFIX"))
+    subprocess.run([cxx, "-shared", "-fsanitize=address,undefined", *objs,
+                    *["-L" + p for p in library_paths()], "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
+                    "-o", str(out)], check=True)
+    return str(pkg), str(out)
+
+
+def test_the_torch_side_passes_under_asan_and_ubsan(asan_package):
+    """The interception (a dispatcher fallback), the C++ fast path over the runtime's Python objects,
+    the allocator hook and the storage helpers, under the runtime's own tests."""
+    pkg, module = asan_package
+    if shutil.which("nm"):
+        syms = subprocess.run(["nm", "-D", module], capture_output=True, text=True).stdout
+        assert "__asan_report" in syms and "__ubsan_handle" in syms
+    env = dict(os.environ)
+    env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
+    env["LD_PRELOAD"] = runtime("libasan.so") + ":" + runtime("libubsan.so")
+    env["ASAN_OPTIONS"] = "detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=99"
+    env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1:exitcode=98"
+    env.pop("PYMEM_INTERCEPT", None)  # the default: the dispatcher
+    which = subprocess.run([sys.executable, "-c", "import pymem._C as C; print(C.__file__)"], env=env,
+                           capture_output=True, text=True, cwd=os.path.join(ROOT, "tests"))
+    assert which.stdout.strip() == module, which.stdout + which.stderr
+    tests = ["test_interception.py", "test_runtime_threads.py", "test_runtime.py", "test_storage.py"]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
+                           *[os.path.join(ROOT, "tests", t) for t in tests]],
+                          cwd=os.path.join(ROOT, "tests"), env=env, capture_output=True, text=True, timeout=600)
+    report = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, report
+    assert "ERROR: AddressSanitizer" not in report and "runtime error:" not in report, report
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, report
