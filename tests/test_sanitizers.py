@@ -42,18 +42,24 @@ def asan_module(tmp_path_factory):
     return str(out)
 
 
-def test_arena_tests_pass_under_asan_and_ubsan(asan_module):
+def _assert_instrumented(module):
     if shutil.which("nm"):  # the module really is instrumented
-        syms = subprocess.run(["nm", "-D", asan_module], capture_output=True, text=True).stdout
+        syms = subprocess.run(["nm", "-D", module], capture_output=True, text=True).stdout
         assert "__asan_report" in syms and "__ubsan_handle" in syms
+
+
+def _sanitized_env(**extra):
     env = dict(os.environ)
-    env["PYMEM_ARENA_MODULE"] = asan_module
     env["LD_PRELOAD"] = runtime("libasan.so") + ":" + runtime("libubsan.so")
     # Python's own allocations are not ours to judge: leaks off; everything else halts.
     env["ASAN_OPTIONS"] = "detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=99"
     env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1:exitcode=98"
-    tests = ["test_arena_properties.py", "test_window.py", "test_arena_errors.py", "test_threads.py",
-             "test_compaction.py"]
+    env.update(extra)
+    return env
+
+
+def _run_tests_clean(tests, env):
+    """pytest on ``tests`` in a subprocess under ``env``: every test passes, no sanitizer report."""
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
                            *[os.path.join(ROOT, "tests", t) for t in tests]],
                           cwd=os.path.join(ROOT, "tests"), env=env, capture_output=True, text=True, timeout=600)
@@ -61,6 +67,14 @@ def test_arena_tests_pass_under_asan_and_ubsan(asan_module):
     assert proc.returncode == 0, report
     assert "ERROR: AddressSanitizer" not in report and "runtime error:" not in report, report
     assert " passed" in proc.stdout and "failed" not in proc.stdout, report
+    return proc, report
+
+
+def test_arena_tests_pass_under_asan_and_ubsan(asan_module):
+    _assert_instrumented(asan_module)
+    proc, report = _run_tests_clean(["test_arena_properties.py", "test_window.py", "test_arena_errors.py",
+                                     "test_threads.py", "test_compaction.py"],
+                                    _sanitized_env(PYMEM_ARENA_MODULE=asan_module))
     assert "skipped" not in proc.stdout, report
 
 
@@ -109,23 +123,10 @@ def test_the_torch_side_passes_under_asan_and_ubsan(asan_package):
     """The interception (a dispatcher fallback), the C++ fast path over the runtime's Python objects,
     the allocator hook and the storage helpers, under the runtime's own tests."""
     pkg, module = asan_package
-    if shutil.which("nm"):
-        syms = subprocess.run(["nm", "-D", module], capture_output=True, text=True).stdout
-        assert "__asan_report" in syms and "__ubsan_handle" in syms
-    env = dict(os.environ)
-    env["PYTHONPATH"] = pkg + os.pathsep + env.get("PYTHONPATH", "")
-    env["LD_PRELOAD"] = runtime("libasan.so") + ":" + runtime("libubsan.so")
-    env["ASAN_OPTIONS"] = "detect_leaks=0:halt_on_error=1:abort_on_error=0:exitcode=99"
-    env["UBSAN_OPTIONS"] = "halt_on_error=1:print_stacktrace=1:exitcode=98"
+    _assert_instrumented(module)
+    env = _sanitized_env(PYTHONPATH=pkg + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.pop("PYMEM_INTERCEPT", None)  # the default: the dispatcher
     which = subprocess.run([sys.executable, "-c", "import pymem._C as C; print(C.__file__)"], env=env,
                            capture_output=True, text=True, cwd=os.path.join(ROOT, "tests"))
     assert which.stdout.strip() == module, which.stdout + which.stderr
-    tests = ["test_interception.py", "test_runtime_threads.py", "test_runtime.py", "test_storage.py"]
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
-                           *[os.path.join(ROOT, "tests", t) for t in tests]],
-                          cwd=os.path.join(ROOT, "tests"), env=env, capture_output=True, text=True, timeout=600)
-    report = proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert proc.returncode == 0, report
-    assert "ERROR: AddressSanitizer" not in report and "runtime error:" not in report, report
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, report
+    _run_tests_clean(["test_interception.py", "test_runtime_threads.py", "test_runtime.py", "test_storage.py"], env)
