@@ -37,7 +37,7 @@ Names* N = nullptr;  // made by the first set_fast_path, under the GIL; never fr
 // The runtime's objects the fast path drives, fetched once per enable (strong references; all
 // touched under the GIL only).
 struct RuntimeRefs {
-  py::object rt, table, running, acquire, release, pressure, threads_managed;
+  py::object rt, table, running, acquire, release, handler_time, threads_managed;
   py::object new_record, link, leaf_hold, arg_ref_type, recipe_type, slots, slot_type, op_info, graph_task_id;
   py::tuple no_args;
   py::object set_eval_frame;  // Dynamo's, or None (see _Mode in runtime.py)
@@ -84,14 +84,10 @@ uintptr_t key_of(const at::Tensor& t) {  // _C.storage_key
 
 // _gather: tensor arguments in order, one level of lists.
 void gather(const c10::IValue& v, std::vector<at::Tensor>& out) {
-  if (is_tensor_arg(v)) {
-    out.push_back(v.toTensor());
-  } else if (v.isTensorList()) {
-    for (const at::Tensor& t : v.toTensorList().vec()) out.push_back(t);
-  } else if (v.isList()) {
-    for (const c10::IValue& x : v.toListRef())
-      if (is_tensor_arg(x)) out.push_back(x.toTensor());
-  }
+  any_tensor_arg(v, [&](const at::Tensor& t) {
+    out.push_back(t);
+    return false;
+  });
 }
 
 // _template: the argument as Python, each tensor replaced by the next Slot.
@@ -184,7 +180,7 @@ void set_fast_path(py::object runtime) {
   R->running = runtime.attr("running");
   R->acquire = runtime.attr("lock").attr("acquire");
   R->release = runtime.attr("lock").attr("release");
-  R->pressure = runtime.attr("pressure");
+  R->handler_time = runtime.attr("pressure").attr("spent");  // per thread
   R->threads_managed = runtime.attr("threads").attr("managed");
   R->new_record = runtime.attr("_new_record");
   R->link = runtime.attr("_link");
@@ -320,7 +316,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   const bool recomputable = managed && rt.attr(N->no_recipes).cast<long>() == 0 &&
                             (c10::GradMode::is_enabled() || R.graph_task_id().cast<long>() < 0);
   PyList_Append(R.running.ptr(), recs.ptr());
-  const double handled = R.pressure.attr(N->seconds).cast<double>();
+  const double handled = R.handler_time.attr(N->seconds).cast<double>();
   const size_t base = stack->size() - n;
   std::vector<c10::IValue> saved(torch::jit::last(*stack, n).begin(), torch::jit::last(*stack, n).end());
 
@@ -351,7 +347,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     ++g_stats.slow;
     return false;
   }
-  const double cost = (t1 - t0) - (R.pressure.attr(N->seconds).cast<double>() - handled);
+  const double cost = (t1 - t0) - (R.handler_time.attr(N->seconds).cast<double>() - handled);
   unlock_inputs.held = false;
   unlist(R.running, recs);
   add_locks(recs, -1);

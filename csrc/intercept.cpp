@@ -33,22 +33,11 @@ bool wanted(const torch::jit::Stack& stack, size_t num_args) {
   const auto device = static_cast<c10::DeviceType>(g_device.load(std::memory_order_relaxed));
   bool any_tensor = false;
   for (const c10::IValue& v : torch::jit::last(stack, num_args)) {
-    if (is_tensor_arg(v)) {
+    const bool managed = any_tensor_arg(v, [&](const at::Tensor& t) {
       any_tensor = true;
-      if (is_managed_tensor(v.toTensor(), device)) return true;
-    } else if (v.isTensorList()) {
-      for (const at::Tensor& t : v.toTensorList().vec()) {
-        any_tensor = true;
-        if (is_managed_tensor(t, device)) return true;
-      }
-    } else if (v.isList()) {  // Tensor?[] (index): a generic list
-      for (const c10::IValue& x : v.toListRef()) {
-        if (is_tensor_arg(x)) {
-          any_tensor = true;
-          if (is_managed_tensor(x.toTensor(), device)) return true;
-        }
-      }
-    }
+      return is_managed_tensor(t, device);
+    });
+    if (managed) return true;
   }
   return !any_tensor;
 }
@@ -148,6 +137,5 @@ bool set_excluded_on_this_thread(bool on) {
 }
 
 bool included_on_this_thread() { return c10::impl::tls_is_dispatch_key_included(kKey); }
-
 
 }  // namespace pymem

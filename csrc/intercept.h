@@ -42,6 +42,18 @@ inline bool is_tensor_arg(const c10::IValue& v) {
   return t.defined() && !t.unsafeGetTensorImpl()->is_wrapped_number();
 }
 
+// f(tensor) for each tensor in argument `v` (itself, or the items of a Tensor[] / Tensor?[] list), as
+// Python sees them (is_tensor_arg), until f returns true; whether it did. The one walk of an op's
+// tensor arguments: the fallback's filter and the fast path's inputs must agree on what they are.
+template <class F>
+bool any_tensor_arg(const c10::IValue& v, F&& f) {
+  if (is_tensor_arg(v)) return f(v.toTensor());
+  if (v.isList())  // a typed Tensor[] is a list too; toListRef reads it without copying
+    for (const c10::IValue& x : v.toListRef())
+      if (is_tensor_arg(x) && f(x.toTensor())) return true;
+  return false;
+}
+
 // Registers the fallback (once per process). "" on success, else why it cannot be registered.
 std::string install_interception();
 bool interception_installed();

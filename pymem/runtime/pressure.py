@@ -27,6 +27,10 @@ def _progress(arena) -> tuple:
     return s["num_frees"], s["num_moved_blocks"]
 
 
+class _ThreadSeconds(threading.local):
+    seconds = 0.0  # each thread starts from this class default; its own writes stay its own
+
+
 class PressureHandler:
     def __init__(self, rt, sampling: bool = False) -> None:
         self.rt = rt
@@ -40,7 +44,7 @@ class PressureHandler:
         # measured cost, which would otherwise depend on whether the op happened to hit pressure.
         # Per thread: the handler runs on the allocating thread, and another thread's handling while
         # this thread's kernel ran is not this op's (a shared count made costs negative).
-        self._spent = threading.local()
+        self.spent = _ThreadSeconds()
 
     def __call__(self, request: int, window) -> None:
         rt = self.rt
@@ -51,14 +55,9 @@ class PressureHandler:
             try:
                 self._make_room(request, window)
             finally:
-                self._spent.seconds = self.seconds + (_perf() - t0)
+                self.spent.seconds += _perf() - t0
             if unmanaged and _progress(rt.arena) == before:
                 rt.threads.check_current(request)
-
-    @property
-    def seconds(self) -> float:
-        """This thread's time in the handler so far."""
-        return getattr(self._spent, "seconds", 0.0)
 
     def _make_room(self, request: int, window) -> None:
         rt = self.rt

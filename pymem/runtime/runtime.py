@@ -467,8 +467,8 @@ class Runtime:
             if info.seeded and (recomputable or (info.pure and not info.mutated)):  # replay, or retry
                 gen = kwargs.get("generator") or self._default_generator
                 rng = (gen, self.allocating(gen.get_state))
-            pressure = self.pressure
-            handled = pressure.seconds
+            spent = self.pressure.spent  # this thread's time in the pressure handler
+            handled = spent.seconds
             t0 = _perf()
             # A collective still in flight when it returns: its communication thread may read or
             # write these buffers until its Work completes, which pymem does not see. They never
@@ -489,7 +489,7 @@ class Runtime:
                     raise self._run_error(info.name, recs, e2) from None
             estimate = self.cost_model
             if estimate is None:
-                cost = _perf() - t0 - (pressure.seconds - handled)
+                cost = _perf() - t0 - (spent.seconds - handled)
             else:
                 cost = estimate.seconds(func, args, kwargs, ins, out)
             if not recomputable:
