@@ -21,6 +21,7 @@ namespace py = pybind11;
 
 namespace pymem {
 void bind_arena(py::module_& m);  // bindings_arena.cpp
+void bind_record(py::module_& m);  // record.cpp
 }
 
 PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
@@ -28,6 +29,7 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
   pymem::bind_arena(m);
 #ifndef PYMEM_NO_TORCH
   m.attr("HAS_TORCH_HOOK") = true;
+  pymem::bind_record(m);
   m.def("install_cpu_hook", &pymem::install_cpu_hook, py::arg("arena"),
         "Make `arena` (a 'host' Arena) PyTorch's CPU allocator. Earlier tensors keep their deleters.");
   m.def("uninstall_cpu_hook", &pymem::uninstall_cpu_hook,

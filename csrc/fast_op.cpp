@@ -3,6 +3,8 @@
 #include "fast_op.h"
 
 #include "intercept.h"
+#include "record.h"
+#include "storage.h"
 
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/PyInterpreter.h>
@@ -11,6 +13,7 @@
 
 #include <c10/core/GradMode.h>
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
 #include <unordered_map>
@@ -25,9 +28,9 @@ namespace {
 // (a C string makes a fresh str per call, which never does).
 struct Names {
 #define PYMEM_NAME(n) py::object n = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(#n));
-  PYMEM_NAME(active) PYMEM_NAME(after_op) PYMEM_NAME(clock) PYMEM_NAME(cost_model) PYMEM_NAME(depth)
-  PYMEM_NAME(evicted) PYMEM_NAME(in_flight) PYMEM_NAME(last_access) PYMEM_NAME(locks) PYMEM_NAME(no_recipes)
-  PYMEM_NAME(num_ops) PYMEM_NAME(offloaded) PYMEM_NAME(recipe) PYMEM_NAME(seconds) PYMEM_NAME(swap)
+  PYMEM_NAME(active) PYMEM_NAME(after_op) PYMEM_NAME(clock) PYMEM_NAME(cost_model) PYMEM_NAME(in_flight)
+  PYMEM_NAME(no_recipes) PYMEM_NAME(num_ops) PYMEM_NAME(offloaded) PYMEM_NAME(seconds) PYMEM_NAME(swap)
+  PYMEM_NAME(_sweep_at)
   PYMEM_NAME(rec) PYMEM_NAME(leaf) PYMEM_NAME(dtype) PYMEM_NAME(size) PYMEM_NAME(stride) PYMEM_NAME(offset)
   PYMEM_NAME(conj) PYMEM_NAME(neg) PYMEM_NAME(mutated) PYMEM_NAME(blank_nbytes)
 #undef PYMEM_NAME
@@ -38,7 +41,9 @@ Names* N = nullptr;  // made by the first set_fast_path, under the GIL; never fr
 // touched under the GIL only).
 struct RuntimeRefs {
   py::object rt, table, running, acquire, release, handler_time, threads_managed;
-  py::object new_record, link, leaf_hold, arg_ref_type, recipe_type, slots, slot_type, op_info, graph_task_id;
+  py::object sweep, releasable, leaf_hold, arg_ref_type, recipe_type, slots, slot_type, op_info, graph_task_id;
+  PyTypeObject* record_type = nullptr;  // records.Record
+  py::object home;  // rt.residency, every record's
   py::tuple no_args;
   py::object set_eval_frame;  // Dynamo's, or None (see _Mode in runtime.py)
   py::object leaf_name, ret_name;
@@ -74,8 +79,6 @@ const OpFacts& facts_of(const RuntimeRefs& R, const c10::OperatorHandle& op) {
 }
 
 bool truthy(const py::handle& h) { return PyObject_IsTrue(h.ptr()) == 1; }
-
-py::object wrap(const at::Tensor& t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); }
 
 uintptr_t key_of(const at::Tensor& t) {  // _C.storage_key
   if (!t.defined() || !t.has_storage()) return 0;
@@ -116,13 +119,14 @@ py::tuple int_tuple(c10::IntArrayRef v) {
 // Runtime._refs for an input `t` (record `r`) that the op does not write: the ArgRef that
 // ArgRef(r, None, t, False) or, for a leaf, ArgRef(None, Runtime._leaf_hold(r), t, False) makes,
 // without running ArgRef.__init__'s Python (the same fields, read from the C++ tensor).
-py::object input_ref(const RuntimeRefs& R, py::handle r, const at::Tensor& t) {
-  const bool leaf = r.attr(N->recipe).is_none();
+py::object input_ref(const RuntimeRefs& R, RecordObject* r, const at::Tensor& t) {
+  py::handle rh(reinterpret_cast<PyObject*>(r));
+  const bool leaf = r->recipe == Py_None;
   auto* type = reinterpret_cast<PyTypeObject*>(R.arg_ref_type.ptr());
   py::object a = py::reinterpret_steal<py::object>(type->tp_new(type, R.no_args.ptr(), nullptr));
   if (!a) throw py::error_already_set();
-  a.attr(N->rec) = leaf ? py::none() : py::reinterpret_borrow<py::object>(r);
-  a.attr(N->leaf) = leaf ? R.leaf_hold(r) : py::none();
+  a.attr(N->rec) = leaf ? py::none() : py::reinterpret_borrow<py::object>(rh);
+  a.attr(N->leaf) = leaf ? R.leaf_hold(rh) : py::none();
   a.attr(N->dtype) = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())));
   a.attr(N->size) = int_tuple(t.sizes());
   a.attr(N->stride) = int_tuple(t.strides());
@@ -162,9 +166,45 @@ void unlist(const py::object& running, const py::object& entry) {
   }
 }
 
-void add_locks(const py::list& recs, long delta) {
-  for (py::handle r : recs)
-    if (!r.is_none()) r.attr(N->locks) = py::int_(r.attr(N->locks).cast<long>() + delta);
+void add_locks(const std::vector<RecordObject*>& recs, int64_t delta) {
+  for (RecordObject* r : recs)
+    if (r != nullptr) r->locks += delta;
+}
+
+// Runtime._new_record: a record for `t`'s storage (key `key`), entered in the table; the table is
+// swept when it outgrows the runtime's mark, as there. Borrowed: the table holds it.
+RecordObject* new_record(const RuntimeRefs& R, const at::Tensor& t, const py::int_& key, double cost, double now,
+                         const py::object& recipe, const py::object& op) {
+  StorageRef ref(t);
+  const size_t nbytes = ref.nbytes();
+  const bool in_arena = R.releasable(ref.data_ptr(), nbytes).cast<bool>();
+  py::object sref = py::cast(std::move(ref));
+  auto* r = new_record_of(R.record_type);
+  if (r == nullptr) throw py::error_already_set();
+  py::object owner = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(r));
+  Py_SETREF(r->home, R.home.inc_ref().ptr());
+  Py_SETREF(r->sref, sref.release().ptr());
+  Py_SETREF(r->recipe, py::object(recipe).release().ptr());
+  Py_SETREF(r->op, py::object(op).release().ptr());
+  r->nbytes = static_cast<int64_t>(nbytes);
+  r->compute_cost = cost;
+  r->last_access = now;
+  r->in_arena = in_arena;
+  if (PyDict_SetItem(R.table.ptr(), key.ptr(), owner.ptr()) < 0) throw py::error_already_set();
+  if (static_cast<long>(PyDict_GET_SIZE(R.table.ptr())) > R.rt.attr(N->_sweep_at).cast<long>()) R.sweep();
+  return r;
+}
+
+// Runtime._link: `child` becomes a child of every distinct input record, leaves included (one
+// weakref shared by all the lists).
+void link(const std::vector<RecordObject*>& recs, RecordObject* child) {
+  py::object w = py::reinterpret_steal<py::object>(PyWeakref_NewRef(reinterpret_cast<PyObject*>(child), nullptr));
+  if (!w) throw py::error_already_set();
+  for (size_t j = 0; j < recs.size(); ++j) {
+    RecordObject* r = recs[j];
+    if (r == nullptr || r->children == nullptr || std::find(recs.begin(), recs.begin() + j, r) != recs.begin() + j) continue;
+    if (PyList_Append(r->children, w.ptr()) < 0) throw py::error_already_set();
+  }
 }
 
 }  // namespace
@@ -182,13 +222,15 @@ void set_fast_path(py::object runtime) {
   R->release = runtime.attr("lock").attr("release");
   R->handler_time = runtime.attr("pressure").attr("spent");  // per thread
   R->threads_managed = runtime.attr("threads").attr("managed");
-  R->new_record = runtime.attr("_new_record");
-  R->link = runtime.attr("_link");
+  R->sweep = runtime.attr("sweep");
+  R->releasable = runtime.attr("backend").attr("releasable");
+  R->home = runtime.attr("residency");
   py::module_ records = py::module_::import("pymem.runtime.records");
   py::module_ runtime_mod = py::module_::import("pymem.runtime.runtime");
   R->leaf_hold = runtime.attr("_leaf_hold");
   R->no_args = py::tuple(0);
   R->arg_ref_type = records.attr("ArgRef");
+  R->record_type = reinterpret_cast<PyTypeObject*>(records.attr("Record").ptr());  // the module keeps it
   R->recipe_type = records.attr("Recipe");
   R->slot_type = records.attr("Slot");
   R->slots = runtime_mod.attr("_SLOTS");
@@ -267,10 +309,11 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     }
   } unlock{R};
 
-  // run_op: inputs to records (a leaf record for a storage seen for the first time).
-  py::list recs(ins.size());  // None where an input is not managed
+  // run_op: inputs to records (a leaf record for a storage seen for the first time). `recs` holds
+  // them (the list `running` shows compaction); `rs` the same records, or null where `recs` has None.
+  py::list recs(ins.size());
+  std::vector<RecordObject*> rs(ins.size(), nullptr);
   for (size_t j = 0; j < ins.size(); ++j) recs[j] = py::none();
-  std::vector<py::object> py_ins(ins.size());
   bool managed = true;
   for (size_t j = 0; j < ins.size(); ++j) {
     const at::Tensor& t = ins[j];
@@ -282,37 +325,39 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     py::int_ pykey(key);
     PyObject* found = PyDict_GetItemWithError(R.table.ptr(), pykey.ptr());
     if (found == nullptr && PyErr_Occurred()) throw py::error_already_set();
-    py_ins[j] = wrap(t);
-    py::object r;
+    RecordObject* r;
     if (found != nullptr) {
-      r = py::reinterpret_borrow<py::object>(found);
+      r = as_record(found);
+      if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
     } else if (key == 0) {
       managed = false;
       continue;
     } else {
-      r = R.new_record(py_ins[j], pykey, 0.0, py::none(), R.leaf_name);
+      r = new_record(R, t, pykey, 0.0, rt.attr(N->clock).cast<double>(), py::none(), R.leaf_name);
     }
-    if (truthy(r.attr(N->evicted))) {  // a restore: the Python path's
+    if (r->evicted) {  // a restore: the Python path's
       ++g_stats.slow;
       return false;
     }
-    recs[j] = r;
+    recs[j] = py::handle(reinterpret_cast<PyObject*>(r));
+    rs[j] = r;
   }
-  add_locks(recs, +1);
+  add_locks(rs, +1);
   struct UnlockInputs {
     const RuntimeRefs& R;
     py::list& recs;
+    std::vector<RecordObject*>& rs;
     bool held = true;
     ~UnlockInputs() {
       if (!held) return;
       try {
         unlist(R.running, recs);
-        add_locks(recs, -1);
+        add_locks(rs, -1);
       } catch (py::error_already_set& e) {
         e.discard_as_unraisable("pymem: unlocking an op's inputs");
       }
     }
-  } unlock_inputs{R, recs};
+  } unlock_inputs{R, recs, rs};
   const bool recomputable = managed && rt.attr(N->no_recipes).cast<long>() == 0 &&
                             (c10::GradMode::is_enabled() || R.graph_task_id().cast<long>() < 0);
   PyList_Append(R.running.ptr(), recs.ptr());
@@ -339,7 +384,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   if (failure) {
     unlock_inputs.held = false;
     unlist(R.running, recs);
-    add_locks(recs, -1);
+    add_locks(rs, -1);
     if (!refused(failure)) std::rethrow_exception(failure);
     // A functional op that ran out leaves no trace: give the Python path its arguments back.
     stack->resize(base);  // whatever the kernel left
@@ -350,14 +395,13 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   const double cost = (t1 - t0) - (R.handler_time.attr(N->seconds).cast<double>() - handled);
   unlock_inputs.held = false;
   unlist(R.running, recs);
-  add_locks(recs, -1);
+  add_locks(rs, -1);
 
   rt.attr(N->num_ops) = py::int_(rt.attr(N->num_ops).cast<long>() + 1);
   const double now = rt.attr(N->clock).cast<double>() + cost;
-  py::float_ py_now(now);
-  rt.attr(N->clock) = py_now;
-  for (py::handle r : recs)
-    if (!r.is_none()) r.attr(N->last_access) = py_now;
+  rt.attr(N->clock) = py::float_(now);
+  for (RecordObject* r : rs)
+    if (r != nullptr) r->last_access = now;
   swap = rt.attr(N->swap);
   if (!swap.is_none() && (truthy(swap.attr(N->offloaded)) || truthy(swap.attr(N->in_flight))))
     swap.attr(N->after_op)();  // the kernel's pressure offloaded something
@@ -366,11 +410,11 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   py::object refs = py::none(), targs, tkw;
   int64_t depth = 1;
   if (recomputable && f.fresh_returns) {
-    for (py::handle r : recs)
-      if (!r.attr(N->recipe).is_none()) depth = std::max(depth, r.attr(N->depth).cast<int64_t>() + 1);
+    for (RecordObject* r : rs)
+      if (r != nullptr && r->recipe != Py_None) depth = std::max(depth, r->depth + 1);
     if (depth <= R.depth_limit) {
       py::list l(ins.size());
-      for (size_t j = 0; j < ins.size(); ++j) l[j] = input_ref(R, recs[j], ins[j]);
+      for (size_t j = 0; j < ins.size(); ++j) l[j] = input_ref(R, rs[j], ins[j]);
       refs = std::move(l);
       size_t counter = 0;
       auto [args, kwargs] = python_call_arguments(schema, [&](size_t i) { return templated(R, saved[i], counter); });
@@ -391,15 +435,17 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     PyObject* found = PyDict_GetItemWithError(R.table.ptr(), pykey.ptr());
     if (found == nullptr && PyErr_Occurred()) throw py::error_already_set();
     if (found != nullptr) {
-      py::handle(found).attr(N->last_access) = py_now;
+      RecordObject* r = as_record(found);
+      if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
+      r->last_access = now;
       return;
     }
     py::object recipe = py::none();
     if (!refs.is_none())
       recipe = R.recipe_type(f.func, targs, tkw, refs, py::make_tuple(R.ret_name, i), py::none());
-    py::object created = R.new_record(wrap(o), pykey, cost, recipe, f.name);
-    created.attr(N->depth) = py::int_(depth);
-    if (!recipe.is_none()) R.link(recs, created);
+    RecordObject* created = new_record(R, o, pykey, cost, now, recipe, f.name);
+    created->depth = depth;
+    if (!recipe.is_none()) link(rs, created);
   };
   for (const c10::IValue& v : torch::jit::last(*stack, num_returns)) {
     if (v.isTensor()) {

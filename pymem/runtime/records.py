@@ -13,7 +13,6 @@ value is never needed). All the recipes that read one leaf share one holder tens
 when it is the storage's only holder left, no user tensor needs the value any more (see
 ``remat.release_orphaned_leaf``).
 """
-import itertools
 from typing import Any, List, Optional, Tuple
 
 import torch
@@ -21,7 +20,6 @@ import torch
 from .. import _C
 
 _StorageRef = _C.StorageRef
-_ids = itertools.count(1)
 
 
 class Slot:
@@ -88,37 +86,35 @@ class Recipe:
         return [a.rec for a in self.refs if a.rec is not None]
 
 
-class Record:
-    """One value of one alias pool; read by policies through the TensorView attributes."""
+class Record(_C.RecordBase):
+    """One value of one alias pool; read by policies through the TensorView attributes. Its fields
+    live in C (``_C.RecordBase``, csrc/record.h), where the fast path writes them directly; a
+    record made there skips ``__init__`` and gets the same defaults. ``id``: unique, increasing."""
 
-    __slots__ = ("id", "sref", "nbytes", "compute_cost", "last_access", "recipe", "locks", "waits", "need_rank", "evicted",
-                 "in_arena", "children", "lost", "op", "home", "host", "pins", "address_out", "hold", "depth",
-                 "__weakref__")
+    __slots__ = ()
 
     def __init__(self, home, sref, nbytes: int, cost: float, now: float, recipe: Optional[Recipe], op,
                  in_arena: bool) -> None:
-        self.id = next(_ids)
         self.home = home            # the Residency it lives in (residency.py): what its scores read
         self.sref = sref            # _C.StorageRef of the storage holding this value, or None
         self.nbytes = nbytes
         self.compute_cost = cost
         self.last_access = now
         self.recipe = recipe        # None: a leaf, never evicted
-        self.locks = 0              # > 0: a running op reads it; never released
-        self.waits = 0              # > 0: a pending recompute needs it; released only as a last resort
-        self.need_rank = 0          # how soon a pending restore reads it (higher: sooner)
-        self.evicted = False        # the storage is alive but its buffer was released by us
+        # locks (> 0: a running op reads it; never released), waits (> 0: a pending recompute needs
+        # it; released only as a last resort) and need_rank (how soon a pending restore reads it,
+        # higher: sooner) start at 0.
+        # evicted: the storage is alive but its buffer was released by us (starts False).
         self.in_arena = in_arena
-        self.children: List[Any] = []  # weakrefs to records whose recipes read this value
-        self.lost = None            # why this value can no longer be recomputed (str), if so
+        # children: weakrefs to records whose recipes read this value (starts [])
+        # lost: why this value can no longer be recomputed (str), if so (starts None)
         self.op = op                # name of the producing op, for messages
-        self.host = None            # a host copy of the value (swap.py), valid while the record lives
-        self.pins = 0               # > 0: its storage is shared outside torch (raw_access.py): never
-        #                             released, moved or offloaded
-        self.address_out = False    # data_ptr() handed its address out: one of its pins is that
-        self.depth = 0              # longest chain of recipes ending here (0: a leaf)
-        self.hold = None            # a leaf read by recipes: weakref to the one tensor they share
-        #                             to keep its storage (ArgRef.leaf); dies with the last of them
+        # host: a host copy of the value (swap.py), valid while the record lives (None)
+        # pins: > 0: its storage is shared outside torch (raw_access.py): never released, moved or
+        #       offloaded; address_out: data_ptr() handed its address out, one of its pins is that
+        # depth: longest chain of recipes ending here (0: a leaf)
+        # hold: a leaf read by recipes: weakref to the one tensor they share to keep its storage
+        #       (ArgRef.leaf); dies with the last of them (None)
 
     # --- TensorView (what policies read) ---
     @property

@@ -1,0 +1,118 @@
+// record.cpp — _C.RecordBase: the C layout of a runtime record (see record.h).
+#include "record.h"
+
+#include <pybind11/pybind11.h>
+#include <structmember.h>
+
+#include <cstddef>
+
+namespace pymem {
+namespace {
+
+int64_t g_last_id = 0;  // under the GIL
+
+PyTypeObject g_type{};  // a static type, filled by bind_record
+
+// The object fields, in one place: construction, traversal and clearing walk the same list.
+template <class F>
+void each_object(RecordObject* r, F&& f) {
+  f(r->home);
+  f(r->sref);
+  f(r->recipe);
+  f(r->children);
+  f(r->lost);
+  f(r->op);
+  f(r->host);
+  f(r->hold);
+}
+
+PyObject* record_new(PyTypeObject* type, PyObject*, PyObject*) {
+  return reinterpret_cast<PyObject*>(new_record_of(type));
+}
+
+int record_traverse(PyObject* self, visitproc visit, void* arg) {
+  int out = 0;
+  each_object(reinterpret_cast<RecordObject*>(self), [&](PyObject* o) {
+    if (out == 0 && o != nullptr) out = visit(o, arg);
+  });
+  return out;
+}
+
+int record_clear(PyObject* self) {
+  each_object(reinterpret_cast<RecordObject*>(self), [](PyObject*& o) { Py_CLEAR(o); });
+  return 0;
+}
+
+// A subclass's instances come here through subtype_dealloc, which drops the type's reference.
+void record_dealloc(PyObject* self) {
+  PyObject_GC_UnTrack(self);
+  if (reinterpret_cast<RecordObject*>(self)->weakrefs != nullptr) PyObject_ClearWeakRefs(self);
+  record_clear(self);
+  Py_TYPE(self)->tp_free(self);
+}
+
+#define PYMEM_MEMBER(name, kind, doc) {#name, kind, offsetof(RecordObject, name), 0, doc}
+PyMemberDef g_members[] = {
+    {"id", T_LONGLONG, offsetof(RecordObject, id), READONLY, "unique, increasing with creation"},
+    PYMEM_MEMBER(nbytes, T_LONGLONG, nullptr),
+    PYMEM_MEMBER(locks, T_LONGLONG, nullptr),
+    PYMEM_MEMBER(waits, T_LONGLONG, nullptr),
+    PYMEM_MEMBER(need_rank, T_LONGLONG, nullptr),
+    PYMEM_MEMBER(pins, T_LONGLONG, nullptr),
+    PYMEM_MEMBER(depth, T_LONGLONG, nullptr),
+    PYMEM_MEMBER(compute_cost, T_DOUBLE, nullptr),
+    PYMEM_MEMBER(last_access, T_DOUBLE, nullptr),
+    PYMEM_MEMBER(evicted, T_BOOL, nullptr),
+    PYMEM_MEMBER(in_arena, T_BOOL, nullptr),
+    PYMEM_MEMBER(address_out, T_BOOL, nullptr),
+    PYMEM_MEMBER(home, T_OBJECT, nullptr),
+    PYMEM_MEMBER(sref, T_OBJECT, nullptr),
+    PYMEM_MEMBER(recipe, T_OBJECT, nullptr),
+    PYMEM_MEMBER(children, T_OBJECT, nullptr),
+    PYMEM_MEMBER(lost, T_OBJECT, nullptr),
+    PYMEM_MEMBER(op, T_OBJECT, nullptr),
+    PYMEM_MEMBER(host, T_OBJECT, nullptr),
+    PYMEM_MEMBER(hold, T_OBJECT, nullptr),
+    {nullptr, 0, 0, 0, nullptr},
+};
+#undef PYMEM_MEMBER
+
+}  // namespace
+
+RecordObject* new_record_of(PyTypeObject* type) {
+  auto* r = reinterpret_cast<RecordObject*>(type->tp_alloc(type, 0));  // zeroed, GC-tracked
+  if (r == nullptr) return nullptr;
+  r->id = ++g_last_id;
+  PyObject* children = PyList_New(0);
+  if (children == nullptr) {
+    Py_DECREF(r);
+    return nullptr;
+  }
+  each_object(r, [](PyObject*& o) {
+    Py_INCREF(Py_None);
+    o = Py_None;
+  });
+  Py_SETREF(r->children, children);
+  return r;
+}
+
+PyTypeObject* record_base_type() { return &g_type; }
+
+void bind_record(pybind11::module_& m) {
+  Py_SET_REFCNT(reinterpret_cast<PyObject*>(&g_type), 1);  // what PyVarObject_HEAD_INIT would set
+  g_type.tp_name = "pymem._C.RecordBase";
+  g_type.tp_doc = "The fields of a runtime Record (pymem.runtime.records), in C; see csrc/record.h.";
+  g_type.tp_basicsize = sizeof(RecordObject);
+  g_type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
+  g_type.tp_new = record_new;
+  g_type.tp_dealloc = record_dealloc;
+  g_type.tp_traverse = record_traverse;
+  g_type.tp_clear = record_clear;
+  g_type.tp_weaklistoffset = offsetof(RecordObject, weakrefs);
+  g_type.tp_members = g_members;
+  if (PyType_Ready(&g_type) < 0) throw pybind11::error_already_set();
+  Py_INCREF(&g_type);
+  m.attr("RecordBase") = pybind11::handle(reinterpret_cast<PyObject*>(&g_type));
+}
+
+}  // namespace pymem

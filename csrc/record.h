@@ -1,0 +1,58 @@
+// record.h — the layout of a runtime record (one value of one alias pool), in C.
+//
+// pymem/runtime/records.py's Record subclasses _C.RecordBase and adds only methods (the TensorView
+// properties policies read). Every field lives here, as a member of a C struct, so the fast path
+// (fast_op.cpp) makes a record and updates its locks, clock and depth by writing fields, with no
+// attribute lookup and no Python frame; Python reads and writes the same fields through member
+// descriptors under the same names. What each field means is documented once, in records.py.
+//
+// Invariants:
+//  - Touched under the GIL only (the runtime's bookkeeping holds it; so does the fast path).
+//  - Object fields are never NULL after construction but may be cleared by the garbage collector
+//    (tp_clear) or deleted from Python; a cleared field reads as None.
+//  - `id` is unique per process and increases with creation: the sweep orders records by it.
+#pragma once
+
+#include <Python.h>
+
+#include <cstdint>
+
+namespace pymem {
+
+struct RecordObject {
+  PyObject_HEAD
+  PyObject* weakrefs;  // the list CPython keeps for weakref.ref(record)
+  int64_t id;
+  int64_t nbytes;
+  int64_t locks;
+  int64_t waits;
+  int64_t need_rank;
+  int64_t pins;
+  int64_t depth;
+  double compute_cost;
+  double last_access;
+  char evicted;  // char: what a T_BOOL member reads and writes
+  char in_arena;
+  char address_out;
+  PyObject* home;
+  PyObject* sref;
+  PyObject* recipe;
+  PyObject* children;  // a list of weakrefs to the records whose recipes read this value
+  PyObject* lost;
+  PyObject* op;
+  PyObject* host;
+  PyObject* hold;
+};
+
+// _C.RecordBase, ready once the module is bound (bind_record in bindings.cpp).
+PyTypeObject* record_base_type();
+
+// A new record of `type` (RecordBase or a subclass), every field at its default: None, 0, False, a
+// fresh `children` list, the next id. New reference; NULL with a Python error set on failure.
+RecordObject* new_record_of(PyTypeObject* type);
+
+inline RecordObject* as_record(PyObject* o) {
+  return PyObject_TypeCheck(o, record_base_type()) ? reinterpret_cast<RecordObject*>(o) : nullptr;
+}
+
+}  // namespace pymem
