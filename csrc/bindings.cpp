@@ -11,6 +11,7 @@
 #include "fast_op.h"
 #include "intercept.h"
 #include "storage.h"
+#include "sweep.h"
 #endif
 
 #ifndef PYMEM_MODULE_NAME
@@ -22,6 +23,7 @@ namespace py = pybind11;
 namespace pymem {
 void bind_arena(py::module_& m);  // bindings_arena.cpp
 void bind_record(py::module_& m);  // record.cpp
+void bind_recipe(py::module_& m);  // recipe.cpp
 }
 
 PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
@@ -30,6 +32,7 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
 #ifndef PYMEM_NO_TORCH
   m.attr("HAS_TORCH_HOOK") = true;
   pymem::bind_record(m);
+  pymem::bind_recipe(m);
   m.def("install_cpu_hook", &pymem::install_cpu_hook, py::arg("arena"),
         "Make `arena` (a 'host' Arena) PyTorch's CPU allocator. Earlier tensors keep their deleters.");
   m.def("uninstall_cpu_hook", &pymem::uninstall_cpu_hook,
@@ -110,6 +113,8 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
     d["slow"] = s.slow;
     return d;
   });
+  m.def("sweep_records", &pymem::sweep_records, py::arg("table"), py::arg("mark_gone"),
+        "Runtime.sweep's scan (csrc/sweep.h): drop the records whose storage died; the records left that hold a leaf.");
   m.def("interception_included", &pymem::included_on_this_thread);
   m.def("alias_tensor", &pymem::alias_tensor, py::arg("tensor"),
         "A new tensor sharing the storage and view metadata, outside autograd and the dispatcher.");

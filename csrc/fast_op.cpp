@@ -3,6 +3,7 @@
 #include "fast_op.h"
 
 #include "intercept.h"
+#include "recipe.h"
 #include "record.h"
 #include "storage.h"
 
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <chrono>
 #include <exception>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -31,8 +33,6 @@ struct Names {
   PYMEM_NAME(active) PYMEM_NAME(after_op) PYMEM_NAME(clock) PYMEM_NAME(cost_model) PYMEM_NAME(in_flight)
   PYMEM_NAME(no_recipes) PYMEM_NAME(num_ops) PYMEM_NAME(offloaded) PYMEM_NAME(seconds) PYMEM_NAME(swap)
   PYMEM_NAME(_sweep_at)
-  PYMEM_NAME(rec) PYMEM_NAME(leaf) PYMEM_NAME(dtype) PYMEM_NAME(size) PYMEM_NAME(stride) PYMEM_NAME(offset)
-  PYMEM_NAME(conj) PYMEM_NAME(neg) PYMEM_NAME(mutated) PYMEM_NAME(blank_nbytes)
 #undef PYMEM_NAME
 };
 Names* N = nullptr;  // made by the first set_fast_path, under the GIL; never freed
@@ -41,12 +41,12 @@ Names* N = nullptr;  // made by the first set_fast_path, under the GIL; never fr
 // touched under the GIL only).
 struct RuntimeRefs {
   py::object rt, table, running, acquire, release, handler_time, threads_managed;
-  py::object sweep, releasable, leaf_hold, arg_ref_type, recipe_type, slots, slot_type, op_info, graph_task_id;
+  py::object sweep, releasable, op_info, graph_task_id;
+  PyTypeObject* recipe_type = nullptr;  // records.Recipe
   PyTypeObject* record_type = nullptr;  // records.Record
   py::object home;  // rt.residency, every record's
-  py::tuple no_args;
   py::object set_eval_frame;  // Dynamo's, or None (see _Mode in runtime.py)
-  py::object leaf_name, ret_name;
+  py::object leaf_name;
   c10::DeviceType device = c10::DeviceType::CPU;
   int64_t depth_limit = 0;
 };
@@ -93,49 +93,37 @@ void gather(const c10::IValue& v, std::vector<at::Tensor>& out) {
   });
 }
 
-// _template: the argument as Python, each tensor replaced by the next Slot.
-py::object templated(const RuntimeRefs& R, const c10::IValue& v, size_t& counter) {
-  auto slot = [&]() -> py::object {
-    const size_t i = counter++;
-    return i < 256 ? py::reinterpret_borrow<py::object>(PyList_GET_ITEM(R.slots.ptr(), i)) : R.slot_type(i);
-  };
-  if (is_tensor_arg(v)) return slot();
-  if (v.isTensorList() || (v.isList() && !v.isIntList() && !v.isDoubleList() && !v.isBoolList())) {
-    const auto items = v.toListRef();
-    py::list out(items.size());
-    for (size_t i = 0; i < items.size(); ++i)
-      out[i] = is_tensor_arg(items[i]) ? slot() : torch::jit::toPyObject(items[i]);
-    return std::move(out);
+// Runtime._leaf_hold: the tensor through which recipes keep leaf `r`'s storage, one for all of them.
+py::object leaf_hold(RecordObject* r) {
+  if (r->hold != nullptr && r->hold != Py_None) {
+    PyObject* h = PyWeakref_GetObject(r->hold);  // borrowed; None once dead
+    if (h == nullptr) throw py::error_already_set();
+    if (h != Py_None) return py::reinterpret_borrow<py::object>(h);
   }
-  return torch::jit::toPyObject(v);
+  py::object h = py::reinterpret_steal<py::object>(
+      THPVariable_Wrap(py::handle(r->sref).cast<StorageRef&>().strong()));
+  if (!h) throw py::error_already_set();
+  PyObject* w = PyWeakref_NewRef(h.ptr(), nullptr);
+  if (w == nullptr) throw py::error_already_set();
+  Py_XSETREF(r->hold, w);
+  return h;
 }
 
-py::tuple int_tuple(c10::IntArrayRef v) {
-  py::tuple out(v.size());
-  for (size_t i = 0; i < v.size(); ++i) out[i] = py::int_(v[i]);
-  return out;
-}
-
-// Runtime._refs for an input `t` (record `r`) that the op does not write: the ArgRef that
-// ArgRef(r, None, t, False) or, for a leaf, ArgRef(None, Runtime._leaf_hold(r), t, False) makes,
-// without running ArgRef.__init__'s Python (the same fields, read from the C++ tensor).
-py::object input_ref(const RuntimeRefs& R, RecordObject* r, const at::Tensor& t) {
-  py::handle rh(reinterpret_cast<PyObject*>(r));
-  const bool leaf = r->recipe == Py_None;
-  auto* type = reinterpret_cast<PyTypeObject*>(R.arg_ref_type.ptr());
-  py::object a = py::reinterpret_steal<py::object>(type->tp_new(type, R.no_args.ptr(), nullptr));
-  if (!a) throw py::error_already_set();
-  a.attr(N->rec) = leaf ? py::none() : py::reinterpret_borrow<py::object>(rh);
-  a.attr(N->leaf) = leaf ? R.leaf_hold(rh) : py::none();
-  a.attr(N->dtype) = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(torch::getTHPDtype(t.scalar_type())));
-  a.attr(N->size) = int_tuple(t.sizes());
-  a.attr(N->stride) = int_tuple(t.strides());
-  a.attr(N->offset) = py::int_(t.storage_offset());
-  a.attr(N->conj) = py::bool_(t.is_conj());
-  a.attr(N->neg) = py::bool_(t.is_neg());
-  a.attr(N->mutated) = py::bool_(false);
-  a.attr(N->blank_nbytes) = py::int_(0);
-  return a;
+// Runtime._refs for an input `t` (record `r`) that the op does not write: what ArgRef(r, None, t,
+// False) or, for a leaf, ArgRef(None, Runtime._leaf_hold(r), t, False) holds.
+CapturedRef input_ref(RecordObject* r, const at::Tensor& t) {
+  CapturedRef c;
+  if (r->recipe == Py_None)
+    c.leaf = leaf_hold(r);
+  else
+    c.rec = py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(r));
+  c.dtype = t.scalar_type();
+  c.size.assign(t.sizes().begin(), t.sizes().end());
+  c.stride.assign(t.strides().begin(), t.strides().end());
+  c.offset = t.storage_offset();
+  c.conj = t.is_conj();
+  c.neg = t.is_neg();
+  return c;
 }
 
 double now_seconds() {  // time.perf_counter's clock (CLOCK_MONOTONIC)
@@ -227,20 +215,14 @@ void set_fast_path(py::object runtime) {
   R->home = runtime.attr("residency");
   py::module_ records = py::module_::import("pymem.runtime.records");
   py::module_ runtime_mod = py::module_::import("pymem.runtime.runtime");
-  R->leaf_hold = runtime.attr("_leaf_hold");
-  R->no_args = py::tuple(0);
-  R->arg_ref_type = records.attr("ArgRef");
   R->record_type = reinterpret_cast<PyTypeObject*>(records.attr("Record").ptr());  // the module keeps it
-  R->recipe_type = records.attr("Recipe");
-  R->slot_type = records.attr("Slot");
-  R->slots = runtime_mod.attr("_SLOTS");
+  R->recipe_type = reinterpret_cast<PyTypeObject*>(records.attr("Recipe").ptr());
   R->op_info = py::module_::import("pymem.runtime.ops").attr("op_info");
   R->graph_task_id = py::module_::import("torch").attr("_C").attr("_current_graph_task_id");
   R->set_eval_frame = py::module_::import("pymem.runtime.interception").attr("_set_eval_frame");
   R->depth_limit = runtime_mod.attr("_DEPTH_LIMIT").cast<int64_t>();
   R->device = c10::Device(py::str(runtime.attr("device")).cast<std::string>()).type();
   R->leaf_name = py::str("leaf");
-  R->ret_name = py::str("ret");
   g_rt = R;
 }
 
@@ -406,20 +388,16 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   if (!swap.is_none() && (truthy(swap.attr(N->offloaded)) || truthy(swap.attr(N->in_flight))))
     swap.attr(N->after_op)();  // the kernel's pressure offloaded something
 
-  // The recipe the outputs share (run_op: refs, targs, tkw).
-  py::object refs = py::none(), targs, tkw;
+  // The recipe the outputs share (run_op: refs, targs, tkw), captured in C++ (recipe.h).
+  std::optional<Capture> capture;
   int64_t depth = 1;
   if (recomputable && f.fresh_returns) {
     for (RecordObject* r : rs)
-      if (r != nullptr && r->recipe != Py_None) depth = std::max(depth, r->depth + 1);
+      if (r->recipe != Py_None) depth = std::max(depth, r->depth + 1);  // recomputable: every input has a record
     if (depth <= R.depth_limit) {
-      py::list l(ins.size());
-      for (size_t j = 0; j < ins.size(); ++j) l[j] = input_ref(R, rs[j], ins[j]);
-      refs = std::move(l);
-      size_t counter = 0;
-      auto [args, kwargs] = python_call_arguments(schema, [&](size_t i) { return templated(R, saved[i], counter); });
-      targs = std::move(args);
-      tkw = std::move(kwargs);
+      capture = capture_arguments(f.func, schema, saved);
+      capture->refs.reserve(ins.size());
+      for (size_t j = 0; j < ins.size(); ++j) capture->refs.push_back(input_ref(rs[j], ins[j]));
     }
   }
 
@@ -440,9 +418,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       r->last_access = now;
       return;
     }
-    py::object recipe = py::none();
-    if (!refs.is_none())
-      recipe = R.recipe_type(f.func, targs, tkw, refs, py::make_tuple(R.ret_name, i), py::none());
+    py::object recipe = capture ? new_captured_recipe(R.recipe_type, *capture, static_cast<int64_t>(i)) : py::none();
     RecordObject* created = new_record(R, o, pykey, cost, now, recipe, f.name);
     created->depth = depth;
     if (!recipe.is_none()) link(rs, created);

@@ -166,3 +166,68 @@ def test_a_python_number_is_no_input(monkeypatch, interception):
         assert torch.equal(z + 0, (x + 1) * 2.5)
     finally:
         pymem.disable()
+
+
+def _described(recipe):
+    """A recipe as plain data: its op, argument template (Slots by index) and ArgRefs."""
+    from pymem.runtime.records import Slot
+
+    def plain(v):
+        if isinstance(v, Slot):
+            return ("slot", v.i)
+        if isinstance(v, (list, tuple)):
+            return [plain(x) for x in v]
+        return v
+
+    refs = [(a.rec is not None, a.leaf is not None, a.dtype, a.size, a.stride, a.offset, a.conj, a.neg, a.mutated,
+             a.blank_nbytes) for a in recipe.refs]
+    return (str(recipe.func), plain(list(recipe.args)), {k: plain(v) for k, v in recipe.kwargs.items()}, refs,
+            recipe.out, recipe.rng, len(recipe.input_records()))
+
+
+def _program():
+    """Ops whose recipes hold what a template can: lists of tensors, optional tensors (Tensor?[] and
+    an absent bias), keyword-only arguments, a Python number, a negative view, and several outputs."""
+    torch.manual_seed(0)
+    w, x = torch.randn(4, 3, 3, 3), torch.randn(2, 3, 8, 8)
+    a = x * 1.5
+    idx = torch.tensor([1, 0, 1])
+    return [torch.cat([a, x, a], dim=1), a[idx], torch.add(a, x, alpha=2), torch.nn.functional.conv2d(a, w),
+            a._neg_view() * 2, *torch.sort(a.flatten(), descending=True), torch.stack([a[0], a[1]]).sum(dim=(0, 1))]
+
+
+def test_a_recipe_captured_in_cpp_reads_as_the_python_paths(under_dispatcher):
+    """The fast path keeps a recipe in C++ and makes its Python fields on first read: they must be
+    what run_op makes of the same op (remat.py recomputes from them), and recompute the same value."""
+    rt = under_dispatcher
+    by_cpp = _program()
+    cpp = [_described(rt.table[_C.storage_key(t)].recipe) for t in by_cpp]
+    _C.set_fast_path(None)  # every op by run_op
+    try:
+        by_python = _program()
+        python = [_described(rt.table[_C.storage_key(t)].recipe) for t in by_python]
+    finally:
+        _C.set_fast_path(rt)
+    assert cpp == python
+    for t in by_cpp:
+        want = t.clone()
+        pymem.evict(t)
+        assert torch.equal(t, want)
+
+
+def test_records_and_recipes_made_in_cpp_are_collected(managed):
+    """Records and recipes are C types (csrc/record.h, recipe.h) holding one another: once their
+    tensors died and the runtime is gone, nothing of them is left."""
+    import gc
+    import weakref
+
+    rt = pymem.enable(budget="64MB", device="cpu")
+    if rt.interception.name != "dispatcher":
+        pytest.skip("the mode makes no recipe in C++")
+    outs = _program()
+    watched = [weakref.ref(rt.table[_C.storage_key(t)]) for t in outs]
+    watched += [weakref.ref(rt.table[_C.storage_key(t)].recipe) for t in outs]
+    del outs, rt
+    pymem.disable()
+    gc.collect()
+    assert all(w() is None for w in watched)

@@ -73,17 +73,16 @@ class ArgRef:
         return self.view(_StorageRef(self.leaf))
 
 
-class Recipe:
+class Recipe(_C.RecipeBase):
     """``func(*args, **kwargs)`` with ``Slot``s for tensors; ``out``: ("ret", i) the i-th flat output,
-    or ("arg", slot) the tensor the op mutated in place. ``rng``: (generator, state) for seeded ops."""
+    or ("arg", slot) the tensor the op mutated in place. ``rng``: (generator, state) for seeded ops.
+    The fast path makes recipes in C++ (csrc/recipe.h): their fields become these Python objects the
+    first time one is read. ``input_records()``: the records of the recomputable inputs, in order."""
 
-    __slots__ = ("func", "args", "kwargs", "refs", "out", "rng", "__weakref__")
+    __slots__ = ()
 
     def __init__(self, func, args, kwargs, refs: List[ArgRef], out: Tuple[str, int], rng) -> None:
         self.func, self.args, self.kwargs, self.refs, self.out, self.rng = func, args, kwargs, refs, out, rng
-
-    def input_records(self):
-        return [a.rec for a in self.refs if a.rec is not None]
 
 
 class Record(_C.RecordBase):

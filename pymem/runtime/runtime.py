@@ -76,10 +76,6 @@ _SLOTS = [Slot(i) for i in range(256)]  # shared: a recipe's template allocates 
 _NO_KWARGS: dict = {}
 
 
-def _record_id(r: Record) -> int:
-    return r.id
-
-
 def _slot(counter: List[int]) -> Slot:
     i = counter[0]
     counter[0] = i + 1
@@ -239,25 +235,13 @@ class Runtime:
     def sweep(self) -> None:
         """Drop table entries whose storage died. A value some live recipe still reads counts as
         evicted for DTR's neighbourhood from now on; one nothing reads is forgotten (banished)."""
-        table = self.table  # mutated in place: run_op holds a reference across the op
-        dead = [table.pop(k) for k in [k for k, r in table.items() if not r.sref.alive]]
-        dead.sort(key=_record_id)
-        while dead:  # youngest first: one dropped here no longer counts as a live reader of its inputs
-            r = dead.pop()
-            r.host = None  # host memory is not kept for a value no tensor holds
-            if r.recipe is not None and any(w() is not None for w in r.children):
-                self.residency.mark_gone(r)
-        r = None
-        held = []
-        for r in table.values():  # a leaf read every step (the batch) collects dead weakrefs
-            if len(r.children) > 64:
-                r.children = [w for w in r.children if w() is not None]
-            if r.hold is not None:
-                held.append(r)
+        # In C++ (csrc/sweep.h): the table is mutated in place (run_op holds a reference across the op).
+        residency = self.residency
+        held = _C.sweep_records(self.table, residency.mark_gone if residency.uses_neighbourhood else None)
         for r in held:
             self._drop_if_orphaned(r)
-        self._sweep_at = max(4096, 2 * len(table))
-        self.residency.rebuild_neighbourhood()
+        self._sweep_at = max(4096, 2 * len(self.table))
+        residency.rebuild_neighbourhood()
 
     def _drop_if_orphaned(self, r: Record) -> None:
         """Leaf ``r``'s storage is held by recipes only (or by nothing: then its hold is gone):

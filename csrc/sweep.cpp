@@ -1,0 +1,80 @@
+// sweep.cpp — Runtime.sweep's scan of the record table (see sweep.h).
+#include "sweep.h"
+
+#include "record.h"
+#include "storage.h"
+
+#include <algorithm>
+#include <stdexcept>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace pymem {
+namespace {
+
+RecordObject* record_of(PyObject* value) {
+  RecordObject* r = as_record(value);
+  if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
+  return r;
+}
+
+bool storage_alive(const RecordObject* r) {
+  return r->sref != nullptr && r->sref != Py_None && py::handle(r->sref).cast<const StorageRef&>().alive();
+}
+
+bool has_live_child(const RecordObject* r) {
+  if (r->children == nullptr || !PyList_Check(r->children)) return false;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->children); ++i)
+    if (PyWeakref_GetObject(PyList_GET_ITEM(r->children, i)) != Py_None) return true;
+  return false;
+}
+
+// The list without its dead weakrefs (a leaf read every step, the batch, collects them).
+void prune_children(RecordObject* r) {
+  py::list live;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->children); ++i) {
+    PyObject* w = PyList_GET_ITEM(r->children, i);
+    if (PyWeakref_GetObject(w) != Py_None) live.append(w);
+  }
+  Py_SETREF(r->children, live.release().ptr());
+}
+
+}  // namespace
+
+py::list sweep_records(py::dict table, py::object mark_gone) {
+  std::vector<py::object> dead_keys;
+  PyObject *key, *value;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(table.ptr(), &pos, &key, &value))
+    if (!storage_alive(record_of(value))) dead_keys.push_back(py::reinterpret_borrow<py::object>(key));
+  std::vector<py::object> dead;
+  dead.reserve(dead_keys.size());
+  for (const py::object& k : dead_keys) {
+    PyObject* r = PyDict_GetItemWithError(table.ptr(), k.ptr());
+    if (r == nullptr) throw py::error_already_set();
+    dead.push_back(py::reinterpret_borrow<py::object>(r));
+    if (PyDict_DelItem(table.ptr(), k.ptr()) < 0) throw py::error_already_set();
+  }
+  std::sort(dead.begin(), dead.end(), [](const py::object& a, const py::object& b) {
+    return reinterpret_cast<RecordObject*>(a.ptr())->id < reinterpret_cast<RecordObject*>(b.ptr())->id;
+  });
+  while (!dead.empty()) {  // youngest first
+    RecordObject* r = reinterpret_cast<RecordObject*>(dead.back().ptr());
+    Py_INCREF(Py_None);
+    Py_XSETREF(r->host, Py_None);  // host memory is not kept for a value no tensor holds
+    if (!mark_gone.is_none() && r->recipe != nullptr && r->recipe != Py_None && has_live_child(r))
+      mark_gone(dead.back());
+    dead.pop_back();  // dropped here, unless mark_gone kept it
+  }
+  py::list held;
+  pos = 0;
+  while (PyDict_Next(table.ptr(), &pos, &key, &value)) {
+    RecordObject* r = reinterpret_cast<RecordObject*>(value);
+    if (r->children != nullptr && PyList_Check(r->children) && PyList_GET_SIZE(r->children) > 64) prune_children(r);
+    if (r->hold != nullptr && r->hold != Py_None) held.append(value);
+  }
+  return held;
+}
+
+}  // namespace pymem

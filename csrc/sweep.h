@@ -1,0 +1,19 @@
+// sweep.h — dropping the records of storages that died (Runtime.sweep's scan, in C++).
+//
+// The runtime's table maps a storage key to the record of its current value and never learns when
+// a storage dies (records hold their storages weakly). Every few thousand new records the runtime
+// sweeps: the scan of the whole table is here, so that its cost per op stays a few nanoseconds.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace pymem {
+
+// Removes from `table` ({key: Record}) every record whose storage died and drops them youngest
+// first: each loses its host copy, and `mark_gone(r)` (None: skipped) is called for one that some
+// live record's recipe still reads, before any older one is looked at (one dropped is no longer a
+// live reader of its inputs). Then, for every record left: a `children` list over 64 entries loses
+// its dead weakrefs. Returns the records left whose `hold` is set (leaves read by recipes).
+pybind11::list sweep_records(pybind11::dict table, pybind11::object mark_gone);
+
+}  // namespace pymem
