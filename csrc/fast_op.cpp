@@ -6,6 +6,7 @@
 #include "recipe.h"
 #include "record.h"
 #include "storage.h"
+#include "types.h"
 
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/PyInterpreter.h>
@@ -18,6 +19,7 @@
 #include <chrono>
 #include <exception>
 #include <optional>
+#include <tuple>
 #include <unordered_map>
 #include <vector>
 
@@ -41,7 +43,8 @@ Names* N = nullptr;  // made by the first set_fast_path, under the GIL; never fr
 // touched under the GIL only).
 struct RuntimeRefs {
   py::object rt, table, running, acquire, release, handler_time, threads_managed;
-  py::object sweep, releasable, op_info, graph_task_id;
+  py::object sweep, op_info, graph_task_id;
+  uintptr_t releasable_lo = 0, releasable_hi = 0;  // the backend's releasable_range
   PyTypeObject* recipe_type = nullptr;  // records.Recipe
   PyTypeObject* record_type = nullptr;  // records.Record
   py::object home;  // rt.residency, every record's
@@ -56,7 +59,10 @@ FastPathStats g_stats;
 // What run_op reads of an op (ops.py's OpInfo), per schema, computed once.
 struct OpFacts {
   bool eligible = false;
+  bool pure = false;        // its outputs may get recipes
+  bool overwrites = false;  // writes every element of its one written argument without reading it
   bool fresh_returns = false;
+  std::vector<size_t> mutated;  // schema positions of the arguments it writes (OpInfo.mutated)
   py::object func;  // the OpOverload
   py::object name;  // str(func), a record's `op`
 };
@@ -70,9 +76,11 @@ const OpFacts& facts_of(const RuntimeRefs& R, const c10::OperatorHandle& op) {
   OpFacts f;
   f.func = py::reinterpret_borrow<py::object>(torch::detail::getTorchApiFunction(op));
   py::object info = R.op_info(f.func);
-  f.eligible = info.attr("pure").cast<bool>() && py::len(info.attr("mutated")) == 0 &&
-               py::len(info.attr("regrown")) == 0 && !info.attr("seeded").cast<bool>() &&
+  f.eligible = py::len(info.attr("regrown")) == 0 && !info.attr("seeded").cast<bool>() &&
                !info.attr("collective").cast<bool>();
+  f.pure = info.attr("pure").cast<bool>();
+  f.overwrites = info.attr("overwrites").cast<bool>();
+  for (py::handle m : info.attr("mutated")) f.mutated.push_back(m.cast<py::tuple>()[0].cast<size_t>());
   f.fresh_returns = info.attr("fresh_returns").cast<bool>();
   f.name = info.attr("name");
   return g_facts->emplace(key, std::move(f)).first->second;
@@ -101,7 +109,7 @@ py::object leaf_hold(RecordObject* r) {
     if (h != Py_None) return py::reinterpret_borrow<py::object>(h);
   }
   py::object h = py::reinterpret_steal<py::object>(
-      THPVariable_Wrap(py::handle(r->sref).cast<StorageRef&>().strong()));
+      THPVariable_Wrap(storage_ref_of(r)->strong()));
   if (!h) throw py::error_already_set();
   PyObject* w = PyWeakref_NewRef(h.ptr(), nullptr);
   if (w == nullptr) throw py::error_already_set();
@@ -143,6 +151,17 @@ bool refused(std::exception_ptr e) {
   }
 }
 
+// The refusal as the Python exception run_op would have caught.
+py::object refusal_object(std::exception_ptr e) {
+  try {
+    std::rethrow_exception(e);
+  } catch (py::error_already_set& err) {
+    return err.value();
+  } catch (const c10::OutOfMemoryError& err) {
+    return py::module_::import("torch").attr("OutOfMemoryError")(err.what_without_backtrace());
+  }
+}
+
 // _unlist
 void unlist(const py::object& running, const py::object& entry) {
   PyObject* list = running.ptr();
@@ -165,13 +184,14 @@ RecordObject* new_record(const RuntimeRefs& R, const at::Tensor& t, const py::in
                          const py::object& recipe, const py::object& op) {
   StorageRef ref(t);
   const size_t nbytes = ref.nbytes();
-  const bool in_arena = R.releasable(ref.data_ptr(), nbytes).cast<bool>();
-  py::object sref = py::cast(std::move(ref));
+  const uintptr_t ptr = ref.data_ptr();
+  // ArenaBackend/NativeBackend.releasable: over one grain, in the range the backend may release.
+  const bool in_arena = nbytes > kAlignment && R.releasable_lo <= ptr && ptr < R.releasable_hi;
   auto* r = new_record_of(R.record_type);
   if (r == nullptr) throw py::error_already_set();
   py::object owner = py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(r));
   Py_SETREF(r->home, R.home.inc_ref().ptr());
-  Py_SETREF(r->sref, sref.release().ptr());
+  set_native_sref(r, ref);
   Py_SETREF(r->recipe, py::object(recipe).release().ptr());
   Py_SETREF(r->op, py::object(op).release().ptr());
   r->nbytes = static_cast<int64_t>(nbytes);
@@ -211,7 +231,8 @@ void set_fast_path(py::object runtime) {
   R->handler_time = runtime.attr("pressure").attr("spent");  // per thread
   R->threads_managed = runtime.attr("threads").attr("managed");
   R->sweep = runtime.attr("sweep");
-  R->releasable = runtime.attr("backend").attr("releasable");
+  std::tie(R->releasable_lo, R->releasable_hi) =
+      runtime.attr("backend").attr("releasable_range").cast<std::pair<uintptr_t, uintptr_t>>();
   R->home = runtime.attr("residency");
   py::module_ records = py::module_::import("pymem.runtime.records");
   py::module_ runtime_mod = py::module_::import("pymem.runtime.runtime");
@@ -249,13 +270,13 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   const py::object& rt = R.rt;
   // Cases the Python path owns (run_op): not active; costs estimated (a CUDA timer sees only the
   // launch); a copy to or from host memory pending (swap.after_op); a thread seen for the first
-  // time (threads.seen); an op that is not pure bookkeeping.
+  // time (threads.seen); a seeded op, a collective, an op that may grow a storage (resize_).
   // A view-only op (every output aliases an input) takes this path in those two cases too: its
   // cost is its measured time (a view's estimate is as near zero), and swap.after_op runs below.
   // It must: torch's own C++ makes views that Python then adopts (Tensor._make_subclass, under
   // nn.Parameter, detaches its data and gives the new tensor a Parameter object), and the Python
   // path would already have given that tensor a plain Tensor object.
-  const bool view_only = !f.fresh_returns;
+  const bool view_only = !f.fresh_returns && f.mutated.empty();
   if (!f.eligible || !truthy(rt.attr(N->active)) || (!view_only && !rt.attr(N->cost_model).is_none())) {
     ++g_stats.slow;
     return false;
@@ -324,6 +345,39 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     recs[j] = py::handle(reinterpret_cast<PyObject*>(r));
     rs[j] = r;
   }
+  const bool recomputable = managed && f.pure && rt.attr(N->no_recipes).cast<long>() == 0 &&
+                            (c10::GradMode::is_enabled() || (R.graph_task_id().cast<long>() < 0 && !f.overwrites));
+  if (!f.mutated.empty()) {
+    // run_op's in-place cases but one go to Python: a recipe for the written value (the record
+    // splits), or a write to a leaf some recipe read (its dependents are invalidated). What stays is
+    // a write outside recipes (a gradient summed in place in backward, under no_recompute) to
+    // leaves no recipe reads, whose host copies go stale.
+    if (recomputable) {
+      ++g_stats.slow;
+      return false;
+    }
+    std::vector<const c10::TensorImpl*> written;
+    for (size_t pos : f.mutated)
+      if (pos < n)
+        any_tensor_arg(torch::jit::last(*stack, n)[pos], [&](const at::Tensor& t) {
+          written.push_back(t.unsafeGetTensorImpl());
+          return false;
+        });
+    for (size_t j = 0; j < ins.size(); ++j) {
+      RecordObject* r = rs[j];
+      if (r == nullptr || std::find(written.begin(), written.end(), ins[j].unsafeGetTensorImpl()) == written.end())
+        continue;
+      if (r->recipe != Py_None || r->children == nullptr || PyList_GET_SIZE(r->children) != 0) {
+        ++g_stats.slow;
+        return false;
+      }
+    }
+    for (size_t j = 0; j < ins.size(); ++j)
+      if (rs[j] != nullptr && std::find(written.begin(), written.end(), ins[j].unsafeGetTensorImpl()) != written.end()) {
+        Py_INCREF(Py_None);
+        Py_XSETREF(rs[j]->host, Py_None);  // overwritten in place below: a host copy would be stale
+      }
+  }
   add_locks(rs, +1);
   struct UnlockInputs {
     const RuntimeRefs& R;
@@ -340,8 +394,6 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       }
     }
   } unlock_inputs{R, recs, rs};
-  const bool recomputable = managed && rt.attr(N->no_recipes).cast<long>() == 0 &&
-                            (c10::GradMode::is_enabled() || R.graph_task_id().cast<long>() < 0);
   PyList_Append(R.running.ptr(), recs.ptr());
   const double handled = R.handler_time.attr(N->seconds).cast<double>();
   const size_t base = stack->size() - n;
@@ -368,6 +420,11 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     unlist(R.running, recs);
     add_locks(rs, -1);
     if (!refused(failure)) std::rethrow_exception(failure);
+    if (!f.pure || !f.mutated.empty()) {  // it may have written before it ran out: no retry (run_op)
+      py::object error = rt.attr("_run_error")(f.name, recs, refusal_object(failure));
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+      throw py::error_already_set();
+    }
     // A functional op that ran out leaves no trace: give the Python path its arguments back.
     stack->resize(base);  // whatever the kernel left
     stack->insert(stack->end(), saved.begin(), saved.end());

@@ -5,10 +5,10 @@
 // writes no argument, draws no random numbers and is not a collective, none of whose inputs is
 // released (evicted or offloaded), with no copy to or from host memory under way, costs timed (not
 // estimated), on a thread the runtime already counts as managed. For such an op this file does
-// exactly what Runtime.run_op does (runtime.py: same records, recipes, clock, costs, locks), driving
-// the runtime's own Python objects through the C API, with no Python frame on the path but the
-// constructors of the few objects an op makes (a Record per fresh output, its Recipe and ArgRefs).
-// Anything else returns false with the stack untouched, and the op takes the Python path.
+// exactly what Runtime.run_op does (runtime.py: same records, recipes, clock, costs, locks), with
+// no Python frame: records are C structs (record.h) written field by field, and a fresh output's
+// recipe is captured in C++ (recipe.h) and made Python only if something reads it. Anything else
+// returns false with the stack untouched, and the op takes the Python path.
 //
 // A refused allocation in the kernel (the op is functional: it left no trace) also returns false,
 // with the stack as it was: the Python path runs it again and retries as it does for any op.

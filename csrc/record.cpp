@@ -1,6 +1,8 @@
 // record.cpp — _C.RecordBase: the C layout of a runtime record (see record.h).
 #include "record.h"
 
+#include "storage.h"
+
 #include <pybind11/pybind11.h>
 #include <structmember.h>
 
@@ -39,9 +41,46 @@ int record_traverse(PyObject* self, visitproc visit, void* arg) {
 }
 
 int record_clear(PyObject* self) {
-  each_object(reinterpret_cast<RecordObject*>(self), [](PyObject*& o) { Py_CLEAR(o); });
+  auto* r = reinterpret_cast<RecordObject*>(self);
+  each_object(r, [](PyObject*& o) { Py_CLEAR(o); });
+  StorageRef* native = r->native_sref;
+  r->native_sref = nullptr;
+  delete native;
   return 0;
 }
+
+// `sref`: made from native_sref on first read (record.h).
+PyObject* get_sref(PyObject* self, void*) {
+  auto* r = reinterpret_cast<RecordObject*>(self);
+  if (r->native_sref != nullptr) {
+    try {
+      PyObject* made = pybind11::cast(*r->native_sref).release().ptr();
+      delete r->native_sref;
+      r->native_sref = nullptr;
+      Py_XSETREF(r->sref, made);
+    } catch (pybind11::error_already_set& e) {
+      e.restore();
+      return nullptr;
+    }
+  }
+  PyObject* v = r->sref != nullptr ? r->sref : Py_None;
+  Py_INCREF(v);
+  return v;
+}
+
+int set_sref(PyObject* self, PyObject* value, void*) {
+  auto* r = reinterpret_cast<RecordObject*>(self);
+  delete r->native_sref;
+  r->native_sref = nullptr;
+  Py_XINCREF(value);
+  Py_XSETREF(r->sref, value);
+  return 0;
+}
+
+PyGetSetDef g_getset[] = {
+    {"sref", get_sref, set_sref, "the _C.StorageRef of the storage holding this value, or None", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
 
 // A subclass's instances come here through subtype_dealloc, which drops the type's reference.
 void record_dealloc(PyObject* self) {
@@ -66,7 +105,6 @@ PyMemberDef g_members[] = {
     PYMEM_MEMBER(in_arena, T_BOOL, nullptr),
     PYMEM_MEMBER(address_out, T_BOOL, nullptr),
     PYMEM_MEMBER(home, T_OBJECT, nullptr),
-    PYMEM_MEMBER(sref, T_OBJECT, nullptr),
     PYMEM_MEMBER(recipe, T_OBJECT, nullptr),
     PYMEM_MEMBER(children, T_OBJECT, nullptr),
     PYMEM_MEMBER(lost, T_OBJECT, nullptr),
@@ -96,6 +134,19 @@ RecordObject* new_record_of(PyTypeObject* type) {
   return r;
 }
 
+void set_native_sref(RecordObject* r, const StorageRef& ref) {
+  auto* made = new StorageRef(ref);
+  delete r->native_sref;
+  r->native_sref = made;
+  Py_CLEAR(r->sref);
+}
+
+const StorageRef* storage_ref_of(const RecordObject* r) {
+  if (r->native_sref != nullptr) return r->native_sref;
+  if (r->sref == nullptr || r->sref == Py_None) return nullptr;
+  return &pybind11::handle(r->sref).cast<const StorageRef&>();
+}
+
 PyTypeObject* record_base_type() { return &g_type; }
 
 void bind_record(pybind11::module_& m) {
@@ -110,6 +161,7 @@ void bind_record(pybind11::module_& m) {
   g_type.tp_clear = record_clear;
   g_type.tp_weaklistoffset = offsetof(RecordObject, weakrefs);
   g_type.tp_members = g_members;
+  g_type.tp_getset = g_getset;
   if (PyType_Ready(&g_type) < 0) throw pybind11::error_already_set();
   Py_INCREF(&g_type);
   m.attr("RecordBase") = pybind11::handle(reinterpret_cast<PyObject*>(&g_type));

@@ -11,6 +11,9 @@
 //  - Object fields are never NULL after construction but may be cleared by the garbage collector
 //    (tp_clear) or deleted from Python; a cleared field reads as None.
 //  - `id` is unique per process and increases with creation: the sweep orders records by it.
+//  - `sref` is made lazily: a record the fast path makes holds its storage reference as a C++
+//    StorageRef (`native_sref`) and makes the Python _C.StorageRef only when Python first reads
+//    `sref` (most records are never read from Python). At most one of the two is set.
 #pragma once
 
 #include <Python.h>
@@ -18,6 +21,8 @@
 #include <cstdint>
 
 namespace pymem {
+
+class StorageRef;  // storage.h
 
 struct RecordObject {
   PyObject_HEAD
@@ -35,7 +40,8 @@ struct RecordObject {
   char in_arena;
   char address_out;
   PyObject* home;
-  PyObject* sref;
+  PyObject* sref;           // a _C.StorageRef or None; NULL while native_sref stands for it
+  StorageRef* native_sref;  // owned
   PyObject* recipe;
   PyObject* children;  // a list of weakrefs to the records whose recipes read this value
   PyObject* lost;
@@ -50,6 +56,11 @@ PyTypeObject* record_base_type();
 // A new record of `type` (RecordBase or a subclass), every field at its default: None, 0, False, a
 // fresh `children` list, the next id. New reference; NULL with a Python error set on failure.
 RecordObject* new_record_of(PyTypeObject* type);
+
+// Gives `r` its storage reference as a C++ object (the Python one is made on first read).
+void set_native_sref(RecordObject* r, const StorageRef& ref);
+// The record's storage reference, either form; null when it has none (sref is None).
+const StorageRef* storage_ref_of(const RecordObject* r);
 
 inline RecordObject* as_record(PyObject* o) {
   return PyObject_TypeCheck(o, record_base_type()) ? reinterpret_cast<RecordObject*>(o) : nullptr;

@@ -20,7 +20,8 @@ RecordObject* record_of(PyObject* value) {
 }
 
 bool storage_alive(const RecordObject* r) {
-  return r->sref != nullptr && r->sref != Py_None && py::handle(r->sref).cast<const StorageRef&>().alive();
+  const StorageRef* ref = storage_ref_of(r);
+  return ref != nullptr && ref->alive();
 }
 
 bool has_live_child(const RecordObject* r) {

@@ -231,3 +231,45 @@ def test_records_and_recipes_made_in_cpp_are_collected(managed):
     pymem.disable()
     gc.collect()
     assert all(w() is None for w in watched)
+
+
+def _write_out_of_budget():
+    """A write into out= tensors (leaves) that runs out: the error, the fast path's counters moved."""
+    MiB = 1 << 20
+    pymem.enable(int(2.8 * MiB))
+    try:
+        with pymem.no_recompute():
+            a = torch.zeros(256 * 1024)  # 1 MiB
+            v = torch.arange(256 * 1024, dtype=torch.float32)  # 1 MiB
+            i = torch.empty(0, dtype=torch.long)
+            before = _C.fast_path_stats()
+            with pytest.raises(pymem.OutOfBudgetError) as info:
+                torch.sort(v, out=(a, i))  # its indices need 2 MiB more
+            after = _C.fast_path_stats()
+    finally:
+        pymem.disable()
+    assert torch.equal(v, torch.arange(256 * 1024, dtype=torch.float32))  # the user's tensors stay valid
+    return str(info.value), after["fast"] - before["fast"], after["slow"] - before["slow"]
+
+
+def test_a_write_outside_recipes_is_booked_in_cpp_and_runs_out_as_under_the_mode(monkeypatch):
+    """A write to leaves no recipe reads, outside recipes (a gradient summed in place in backward,
+    ops under no_recompute), takes the fast path; one that runs out is not run again (it may have
+    written before it did) but raises run_op's error, word for word."""
+    monkeypatch.setenv("PYMEM_INTERCEPT", "mode")
+    by_mode, _, _ = _write_out_of_budget()
+    monkeypatch.setenv("PYMEM_INTERCEPT", "dispatcher")
+    by_cpp, fast, slow = _write_out_of_budget()
+    assert (fast, slow) == (0, 0)  # raised by the fast path: an op handed to Python counts as slow
+    assert by_cpp == by_mode and "aten.sort.values needs 2097152 B more while its inputs" in by_cpp
+
+    pymem.enable(budget="64MB", device="cpu")
+    try:
+        w = torch.randn(64, 64, requires_grad=True)
+        x = torch.randn(8, 64)
+        before = _C.fast_path_stats()
+        (x @ w + x @ w).sum().backward()  # w's two gradients are summed in place
+        assert _C.fast_path_stats()["slow"] == before["slow"]
+        assert torch.equal(w.grad, 2 * (x.t() @ torch.ones(8, 64)))
+    finally:
+        pymem.disable()

@@ -36,6 +36,7 @@ class ArenaBackend:
         self.can_compact = self.arena.backing != "cuda"  # a CUDA slab's blocks do not move (yet)
         self.lo, self.hi = self.arena.base, self.arena.base + budget
         self.main_hi = self.hi - self.arena.small_region_size  # [lo, main_hi): blocks that compact
+        self.releasable_range = (self.lo, self.main_hi)  # see releasable (the fast path reads it)
 
     def install(self, rt) -> None:
         self.arena.set_pressure_handler(rt.pressure)
@@ -59,7 +60,8 @@ class ArenaBackend:
         Blocks of the small region are never scanned by eviction (csrc/arena.h), and memory from
         before ``enable`` is not the arena's. A small request that found its region full lies in the
         main region: releasable, or a model of small tensors could release nothing at all."""
-        return nbytes > _TINY and self.lo <= ptr < self.main_hi
+        lo, hi = self.releasable_range
+        return nbytes > _TINY and lo <= ptr < hi
 
     def set_pinned(self, ptr: int, pinned: bool) -> None:
         """Compaction refuses a pinned block, and ``pinned_bytes`` counts it."""
@@ -81,6 +83,7 @@ class NativeBackend:
     hook = None
     can_compact = False
     lo = hi = main_hi = 0
+    releasable_range = (0, (1 << 64) - 1)  # any address
 
     def __init__(self, device, budget: int) -> None:
         self.cap = cap_for(device, budget)
