@@ -2,6 +2,7 @@
 #include "recipe.h"
 
 #include "intercept.h"
+#include "py_type.h"
 
 #include <torch/csrc/DynamicTypes.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -286,21 +287,13 @@ py::object new_captured_recipe(PyTypeObject* type, Capture capture, int64_t out_
 PyTypeObject* recipe_base_type() { return &g_type; }
 
 void bind_recipe(py::module_& m) {  // bindings.cpp calls it
-  Py_SET_REFCNT(reinterpret_cast<PyObject*>(&g_type), 1);  // what PyVarObject_HEAD_INIT would set
-  g_type.tp_name = "pymem._C.RecipeBase";
-  g_type.tp_doc = "A recipe's fields; captured in C++ by the fast path and made Python on first read (csrc/recipe.h).";
-  g_type.tp_basicsize = sizeof(RecipeObject);
-  g_type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
-  g_type.tp_new = recipe_new;
-  g_type.tp_dealloc = recipe_dealloc;
-  g_type.tp_traverse = recipe_traverse;
-  g_type.tp_clear = recipe_clear;
-  g_type.tp_weaklistoffset = offsetof(RecipeObject, weakrefs);
   g_type.tp_getset = g_getset;
   g_type.tp_methods = g_methods;
-  if (PyType_Ready(&g_type) < 0) throw py::error_already_set();
-  Py_INCREF(&g_type);
-  m.attr("RecipeBase") = py::handle(reinterpret_cast<PyObject*>(&g_type));
+  ready_gc_type(m, "RecipeBase", g_type,
+                {"pymem._C.RecipeBase",
+                 "A recipe's fields; captured in C++ by the fast path and made Python on first read (csrc/recipe.h).",
+                 sizeof(RecipeObject), offsetof(RecipeObject, weakrefs), recipe_new, recipe_dealloc, recipe_traverse,
+                 recipe_clear});
 }
 
 }  // namespace pymem

@@ -1,6 +1,7 @@
 // record.cpp — _C.RecordBase: the C layout of a runtime record (see record.h).
 #include "record.h"
 
+#include "py_type.h"
 #include "storage.h"
 
 #include <pybind11/pybind11.h>
@@ -149,22 +150,13 @@ const StorageRef* storage_ref_of(const RecordObject* r) {
 
 PyTypeObject* record_base_type() { return &g_type; }
 
-void bind_record(pybind11::module_& m) {
-  Py_SET_REFCNT(reinterpret_cast<PyObject*>(&g_type), 1);  // what PyVarObject_HEAD_INIT would set
-  g_type.tp_name = "pymem._C.RecordBase";
-  g_type.tp_doc = "The fields of a runtime Record (pymem.runtime.records), in C; see csrc/record.h.";
-  g_type.tp_basicsize = sizeof(RecordObject);
-  g_type.tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC;
-  g_type.tp_new = record_new;
-  g_type.tp_dealloc = record_dealloc;
-  g_type.tp_traverse = record_traverse;
-  g_type.tp_clear = record_clear;
-  g_type.tp_weaklistoffset = offsetof(RecordObject, weakrefs);
+void bind_record(pybind11::module_& m) {  // bindings.cpp calls it
   g_type.tp_members = g_members;
   g_type.tp_getset = g_getset;
-  if (PyType_Ready(&g_type) < 0) throw pybind11::error_already_set();
-  Py_INCREF(&g_type);
-  m.attr("RecordBase") = pybind11::handle(reinterpret_cast<PyObject*>(&g_type));
+  ready_gc_type(m, "RecordBase", g_type,
+                {"pymem._C.RecordBase", "The fields of a runtime Record (pymem.runtime.records), in C; see csrc/record.h.",
+                 sizeof(RecordObject), offsetof(RecordObject, weakrefs), record_new, record_dealloc, record_traverse,
+                 record_clear});
 }
 
 }  // namespace pymem
