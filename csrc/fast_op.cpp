@@ -108,8 +108,9 @@ py::object leaf_hold(RecordObject* r) {
     if (h == nullptr) throw py::error_already_set();
     if (h != Py_None) return py::reinterpret_borrow<py::object>(h);
   }
-  py::object h = py::reinterpret_steal<py::object>(
-      THPVariable_Wrap(storage_ref_of(r)->strong()));
+  const StorageRef* ref = storage_ref_of(r);
+  if (ref == nullptr) throw std::logic_error("pymem: a leaf input's record has no storage reference");
+  py::object h = py::reinterpret_steal<py::object>(THPVariable_Wrap(ref->strong()));
   if (!h) throw py::error_already_set();
   PyObject* w = PyWeakref_NewRef(h.ptr(), nullptr);
   if (w == nullptr) throw py::error_already_set();
