@@ -364,6 +364,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
           written.push_back(t.unsafeGetTensorImpl());
           return false;
         });
+    std::vector<RecordObject*> overwritten;
     for (size_t j = 0; j < ins.size(); ++j) {
       RecordObject* r = rs[j];
       if (r == nullptr || std::find(written.begin(), written.end(), ins[j].unsafeGetTensorImpl()) == written.end())
@@ -372,12 +373,12 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
         ++g_stats.slow;
         return false;
       }
+      overwritten.push_back(r);
     }
-    for (size_t j = 0; j < ins.size(); ++j)
-      if (rs[j] != nullptr && std::find(written.begin(), written.end(), ins[j].unsafeGetTensorImpl()) != written.end()) {
-        Py_INCREF(Py_None);
-        Py_XSETREF(rs[j]->host, Py_None);  // overwritten in place below: a host copy would be stale
-      }
+    for (RecordObject* r : overwritten) {
+      Py_INCREF(Py_None);
+      Py_XSETREF(r->host, Py_None);  // overwritten in place below: a host copy would be stale
+    }
   }
   add_locks(rs, +1);
   struct UnlockInputs {

@@ -44,18 +44,17 @@ void prune_children(RecordObject* r) {
 }  // namespace
 
 py::list sweep_records(py::dict table, py::object mark_gone) {
-  std::vector<py::object> dead_keys;
+  std::vector<std::pair<py::object, py::object>> found;  // (key, record): the table cannot change while walked
   PyObject *key, *value;
   Py_ssize_t pos = 0;
   while (PyDict_Next(table.ptr(), &pos, &key, &value))
-    if (!storage_alive(record_of(value))) dead_keys.push_back(py::reinterpret_borrow<py::object>(key));
+    if (!storage_alive(record_of(value)))
+      found.emplace_back(py::reinterpret_borrow<py::object>(key), py::reinterpret_borrow<py::object>(value));
   std::vector<py::object> dead;
-  dead.reserve(dead_keys.size());
-  for (const py::object& k : dead_keys) {
-    PyObject* r = PyDict_GetItemWithError(table.ptr(), k.ptr());
-    if (r == nullptr) throw py::error_already_set();
-    dead.push_back(py::reinterpret_borrow<py::object>(r));
+  dead.reserve(found.size());
+  for (auto& [k, r] : found) {
     if (PyDict_DelItem(table.ptr(), k.ptr()) < 0) throw py::error_already_set();
+    dead.push_back(std::move(r));
   }
   std::sort(dead.begin(), dead.end(), [](const py::object& a, const py::object& b) {
     return reinterpret_cast<RecordObject*>(a.ptr())->id < reinterpret_cast<RecordObject*>(b.ptr())->id;
