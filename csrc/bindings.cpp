@@ -24,6 +24,8 @@ namespace pymem {
 void bind_arena(py::module_& m);  // bindings_arena.cpp
 void bind_record(py::module_& m);  // record.cpp
 void bind_recipe(py::module_& m);  // recipe.cpp
+void bind_runtime_state(py::module_& m);  // runtime_state.cpp
+void bind_runtime_lock(py::module_& m);  // runtime_lock.cpp
 }
 
 PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
@@ -33,6 +35,8 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
   m.attr("HAS_TORCH_HOOK") = true;
   pymem::bind_record(m);
   pymem::bind_recipe(m);
+  pymem::bind_runtime_state(m);
+  pymem::bind_runtime_lock(m);
   m.def("install_cpu_hook", &pymem::install_cpu_hook, py::arg("arena"),
         "Make `arena` (a 'host' Arena) PyTorch's CPU allocator. Earlier tensors keep their deleters.");
   m.def("uninstall_cpu_hook", &pymem::uninstall_cpu_hook,

@@ -5,6 +5,8 @@
 #include "intercept.h"
 #include "recipe.h"
 #include "record.h"
+#include "runtime_lock.h"
+#include "runtime_state.h"
 #include "storage.h"
 #include "types.h"
 
@@ -32,9 +34,7 @@ namespace {
 // (a C string makes a fresh str per call, which never does).
 struct Names {
 #define PYMEM_NAME(n) py::object n = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(#n));
-  PYMEM_NAME(active) PYMEM_NAME(after_op) PYMEM_NAME(clock) PYMEM_NAME(cost_model) PYMEM_NAME(in_flight)
-  PYMEM_NAME(no_recipes) PYMEM_NAME(num_ops) PYMEM_NAME(offloaded) PYMEM_NAME(seconds) PYMEM_NAME(swap)
-  PYMEM_NAME(_sweep_at)
+  PYMEM_NAME(after_op) PYMEM_NAME(in_flight) PYMEM_NAME(offloaded)
 #undef PYMEM_NAME
 };
 Names* N = nullptr;  // made by the first set_fast_path, under the GIL; never freed
@@ -42,7 +42,9 @@ Names* N = nullptr;  // made by the first set_fast_path, under the GIL; never fr
 // The runtime's objects the fast path drives, fetched once per enable (strong references; all
 // touched under the GIL only).
 struct RuntimeRefs {
-  py::object rt, table, running, acquire, release, handler_time, threads_managed;
+  py::object rt, table, running, lock;
+  RuntimeObject* state = nullptr;  // rt's C fields (runtime_state.h); rt keeps it
+  LockObject* mutex = nullptr;     // rt.lock (runtime_lock.h); `lock` keeps it
   py::object sweep, op_info, graph_task_id;
   uintptr_t releasable_lo = 0, releasable_hi = 0;  // the backend's releasable_range
   PyTypeObject* recipe_type = nullptr;  // records.Recipe
@@ -55,6 +57,32 @@ struct RuntimeRefs {
 };
 RuntimeRefs* g_rt = nullptr;
 FastPathStats g_stats;
+
+// Runs `call`, which enters pymem's Python, with Dynamo's frame callback off: a torch.compile'd
+// caller's callback must not trace pymem's frames (as _run in interception.py). Only around such
+// calls: the common case runs no Python frame, and pays nothing for this.
+template <class F>
+decltype(auto) in_python(const RuntimeRefs& R, F&& call) {
+  struct Restore {
+    const RuntimeRefs& R;
+    py::object prior;
+    ~Restore() {
+      try {
+        R.set_eval_frame(prior);
+      } catch (py::error_already_set& e) {
+        e.discard_as_unraisable("pymem: restoring Dynamo's frame callback");
+      }
+    }
+  } restore{R, R.set_eval_frame(py::none())};
+  return call();
+}
+
+// A copy to or from host memory is pending (swap.after_op has work).
+bool swap_busy(const RuntimeObject& S) {
+  if (S.swap == nullptr || S.swap == Py_None) return false;
+  py::handle swap(S.swap);
+  return PyObject_IsTrue(swap.attr(N->offloaded).ptr()) == 1 || PyObject_IsTrue(swap.attr(N->in_flight).ptr()) == 1;
+}
 
 // What run_op reads of an op (ops.py's OpInfo), per schema, computed once.
 struct OpFacts {
@@ -75,18 +103,18 @@ const OpFacts& facts_of(const RuntimeRefs& R, const c10::OperatorHandle& op) {
   if (it != g_facts->end()) return it->second;
   OpFacts f;
   f.func = py::reinterpret_borrow<py::object>(torch::detail::getTorchApiFunction(op));
-  py::object info = R.op_info(f.func);
-  f.eligible = py::len(info.attr("regrown")) == 0 && !info.attr("seeded").cast<bool>() &&
-               !info.attr("collective").cast<bool>();
-  f.pure = info.attr("pure").cast<bool>();
-  f.overwrites = info.attr("overwrites").cast<bool>();
-  for (py::handle m : info.attr("mutated")) f.mutated.push_back(m.cast<py::tuple>()[0].cast<size_t>());
-  f.fresh_returns = info.attr("fresh_returns").cast<bool>();
-  f.name = info.attr("name");
+  in_python(R, [&] {
+    py::object info = R.op_info(f.func);
+    f.eligible = py::len(info.attr("regrown")) == 0 && !info.attr("seeded").cast<bool>() &&
+                 !info.attr("collective").cast<bool>();
+    f.pure = info.attr("pure").cast<bool>();
+    f.overwrites = info.attr("overwrites").cast<bool>();
+    for (py::handle m : info.attr("mutated")) f.mutated.push_back(m.cast<py::tuple>()[0].cast<size_t>());
+    f.fresh_returns = info.attr("fresh_returns").cast<bool>();
+    f.name = info.attr("name");
+  });
   return g_facts->emplace(key, std::move(f)).first->second;
 }
-
-bool truthy(const py::handle& h) { return PyObject_IsTrue(h.ptr()) == 1; }
 
 uintptr_t key_of(const at::Tensor& t) {  // _C.storage_key
   if (!t.defined() || !t.has_storage()) return 0;
@@ -200,7 +228,7 @@ RecordObject* new_record(const RuntimeRefs& R, const at::Tensor& t, const py::in
   r->last_access = now;
   r->in_arena = in_arena;
   if (PyDict_SetItem(R.table.ptr(), key.ptr(), owner.ptr()) < 0) throw py::error_already_set();
-  if (static_cast<long>(PyDict_GET_SIZE(R.table.ptr())) > R.rt.attr(N->_sweep_at).cast<long>()) R.sweep();
+  if (static_cast<int64_t>(PyDict_GET_SIZE(R.table.ptr())) > R.state->sweep_at) in_python(R, [&] { R.sweep(); });
   return r;
 }
 
@@ -211,8 +239,9 @@ void link(const std::vector<RecordObject*>& recs, RecordObject* child) {
   if (!w) throw py::error_already_set();
   for (size_t j = 0; j < recs.size(); ++j) {
     RecordObject* r = recs[j];
-    if (r == nullptr || r->children == nullptr || std::find(recs.begin(), recs.begin() + j, r) != recs.begin() + j) continue;
-    if (PyList_Append(r->children, w.ptr()) < 0) throw py::error_already_set();
+    if (r == nullptr || std::find(recs.begin(), recs.begin() + j, r) != recs.begin() + j) continue;
+    PyObject* children = children_of(r);
+    if (children == nullptr || PyList_Append(children, w.ptr()) < 0) throw py::error_already_set();
   }
 }
 
@@ -227,10 +256,13 @@ void set_fast_path(py::object runtime) {
   R->rt = runtime;
   R->table = runtime.attr("table");
   R->running = runtime.attr("running");
-  R->acquire = runtime.attr("lock").attr("acquire");
-  R->release = runtime.attr("lock").attr("release");
-  R->handler_time = runtime.attr("pressure").attr("spent");  // per thread
-  R->threads_managed = runtime.attr("threads").attr("managed");
+  R->state = as_runtime(runtime.ptr());
+  R->lock = runtime.attr("lock");
+  R->mutex = as_lock(R->lock.ptr());
+  if (R->state == nullptr || R->mutex == nullptr) {
+    delete R;
+    throw py::type_error("pymem: set_fast_path takes a Runtime (a _C.RuntimeBase whose lock is a _C.RuntimeLock)");
+  }
   R->sweep = runtime.attr("sweep");
   std::tie(R->releasable_lo, R->releasable_hi) =
       runtime.attr("backend").attr("releasable_range").cast<std::pair<uintptr_t, uintptr_t>>();
@@ -253,22 +285,8 @@ FastPathStats fast_path_stats() { return g_stats; }
 bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
   if (g_rt == nullptr) return false;
   const RuntimeRefs& R = *g_rt;
-  // No Python frame of pymem's may be traced by a torch.compile'd caller's frame callback.
-  py::object prior_frame = R.set_eval_frame(py::none());
-  struct FrameRestore {
-    const RuntimeRefs& R;
-    py::object& prior;
-    ~FrameRestore() {
-      try {
-        R.set_eval_frame(prior);
-      } catch (py::error_already_set& e) {
-        e.discard_as_unraisable("pymem: restoring Dynamo's frame callback");
-      }
-    }
-  } frame_restore{R, prior_frame};
-
+  RuntimeObject& S = *R.state;
   const OpFacts& f = facts_of(R, op);
-  const py::object& rt = R.rt;
   // Cases the Python path owns (run_op): not active; costs estimated (a CUDA timer sees only the
   // launch); a copy to or from host memory pending (swap.after_op); a thread seen for the first
   // time (threads.seen); a seeded op, a collective, an op that may grow a storage (resize_).
@@ -278,40 +296,24 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   // nn.Parameter, detaches its data and gives the new tensor a Parameter object), and the Python
   // path would already have given that tensor a plain Tensor object.
   const bool view_only = !f.fresh_returns && f.mutated.empty();
-  if (!f.eligible || !truthy(rt.attr(N->active)) || (!view_only && !rt.attr(N->cost_model).is_none())) {
+  const bool estimated = S.cost_model != nullptr && S.cost_model != Py_None;
+  if (!f.eligible || !S.active || (!view_only && (estimated || swap_busy(S))) || !thread_managed_by(S.serial)) {
     ++g_stats.slow;
     return false;
-  }
-  py::object swap = rt.attr(N->swap);
-  if (!view_only && !swap.is_none() && (truthy(swap.attr(N->offloaded)) || truthy(swap.attr(N->in_flight)))) {
-    ++g_stats.slow;
-    return false;
-  }
-  {
-    py::int_ ident(PyThread_get_thread_ident());
-    if (PySet_Contains(R.threads_managed.ptr(), ident.ptr()) != 1) {
-      ++g_stats.slow;
-      return false;
-    }
   }
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
   std::vector<at::Tensor> ins;
   for (const c10::IValue& v : torch::jit::last(*stack, n)) gather(v, ins);
 
-  R.acquire();
+  lock_acquire(R.mutex);
   struct Unlock {
-    const RuntimeRefs& R;
+    LockObject* mutex;
     bool held = true;
     ~Unlock() {
-      if (!held) return;
-      try {
-        R.release();
-      } catch (py::error_already_set& e) {
-        e.discard_as_unraisable("pymem: releasing the runtime's lock");
-      }
+      if (held && !lock_release(mutex)) PyErr_WriteUnraisable(nullptr);
     }
-  } unlock{R};
+  } unlock{R.mutex};
 
   // run_op: inputs to records (a leaf record for a storage seen for the first time). `recs` holds
   // them (the list `running` shows compaction); `rs` the same records, or null where `recs` has None.
@@ -337,7 +339,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       managed = false;
       continue;
     } else {
-      r = new_record(R, t, pykey, 0.0, rt.attr(N->clock).cast<double>(), py::none(), R.leaf_name);
+      r = new_record(R, t, pykey, 0.0, S.clock, py::none(), R.leaf_name);
     }
     if (r->evicted) {  // a restore: the Python path's
       ++g_stats.slow;
@@ -346,7 +348,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     recs[j] = py::handle(reinterpret_cast<PyObject*>(r));
     rs[j] = r;
   }
-  const bool recomputable = managed && f.pure && rt.attr(N->no_recipes).cast<long>() == 0 &&
+  const bool recomputable = managed && f.pure && S.no_recipes == 0 &&
                             (c10::GradMode::is_enabled() || (R.graph_task_id().cast<long>() < 0 && !f.overwrites));
   if (!f.mutated.empty()) {
     // run_op's in-place cases but one go to Python: a recipe for the written value (the record
@@ -369,7 +371,8 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       RecordObject* r = rs[j];
       if (r == nullptr || std::find(written.begin(), written.end(), ins[j].unsafeGetTensorImpl()) == written.end())
         continue;
-      if (r->recipe != Py_None || r->children == nullptr || PyList_GET_SIZE(r->children) != 0) {
+      const bool read = r->children != nullptr && (!PyList_Check(r->children) || PyList_GET_SIZE(r->children) != 0);
+      if (r->recipe != Py_None || read) {
         ++g_stats.slow;
         return false;
       }
@@ -397,12 +400,12 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     }
   } unlock_inputs{R, recs, rs};
   PyList_Append(R.running.ptr(), recs.ptr());
-  const double handled = R.handler_time.attr(N->seconds).cast<double>();
+  const double handled = handler_seconds();
   const size_t base = stack->size() - n;
   std::vector<c10::IValue> saved(torch::jit::last(*stack, n).begin(), torch::jit::last(*stack, n).end());
 
   // The kernel, with the runtime's lock and the GIL released (Runtime._kernel).
-  R.release();
+  if (!lock_release(R.mutex)) throw py::error_already_set();
   unlock.held = false;
   const double t0 = now_seconds();
   std::exception_ptr failure;
@@ -415,7 +418,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     }
   }
   const double t1 = now_seconds();
-  R.acquire();
+  lock_acquire(R.mutex);
   unlock.held = true;
   if (failure) {
     unlock_inputs.held = false;
@@ -423,7 +426,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     add_locks(rs, -1);
     if (!refused(failure)) std::rethrow_exception(failure);
     if (!f.pure || !f.mutated.empty()) {  // it may have written before it ran out: no retry (run_op)
-      py::object error = rt.attr("_run_error")(f.name, recs, refusal_object(failure));
+      py::object error = in_python(R, [&] { return R.rt.attr("_run_error")(f.name, recs, refusal_object(failure)); });
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
       throw py::error_already_set();
     }
@@ -433,19 +436,18 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     ++g_stats.slow;
     return false;
   }
-  const double cost = (t1 - t0) - (R.handler_time.attr(N->seconds).cast<double>() - handled);
+  const double cost = (t1 - t0) - (handler_seconds() - handled);
   unlock_inputs.held = false;
   unlist(R.running, recs);
   add_locks(rs, -1);
 
-  rt.attr(N->num_ops) = py::int_(rt.attr(N->num_ops).cast<long>() + 1);
-  const double now = rt.attr(N->clock).cast<double>() + cost;
-  rt.attr(N->clock) = py::float_(now);
+  ++S.num_ops;
+  const double now = S.clock + cost;
+  S.clock = now;
   for (RecordObject* r : rs)
     if (r != nullptr) r->last_access = now;
-  swap = rt.attr(N->swap);
-  if (!swap.is_none() && (truthy(swap.attr(N->offloaded)) || truthy(swap.attr(N->in_flight))))
-    swap.attr(N->after_op)();  // the kernel's pressure offloaded something
+  if (swap_busy(S))  // the kernel's pressure offloaded something
+    in_python(R, [&] { py::handle(S.swap).attr(N->after_op)(); });
 
   // The recipe the outputs share (run_op: refs, targs, tkw), captured in C++ (recipe.h).
   std::optional<Capture> capture;
@@ -462,6 +464,8 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
 
   // Outputs: a known storage (a view) is touched; a fresh one gets a record (and the recipe).
   const size_t num_returns = schema.returns().size();
+  // One tensor returned (most ops): its recipe takes the capture itself; several share copies.
+  const bool one_output = num_returns == 1 && stack->back().isTensor();
   size_t index = 0;
   auto output = [&](const at::Tensor& o) {
     const size_t i = index++;
@@ -477,7 +481,9 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       r->last_access = now;
       return;
     }
-    py::object recipe = capture ? new_captured_recipe(R.recipe_type, *capture, static_cast<int64_t>(i)) : py::none();
+    py::object recipe = !capture  ? py::none()
+                        : one_output ? new_captured_recipe(R.recipe_type, std::move(*capture), static_cast<int64_t>(i))
+                                     : new_captured_recipe(R.recipe_type, *capture, static_cast<int64_t>(i));
     RecordObject* created = new_record(R, o, pykey, cost, now, recipe, f.name);
     created->depth = depth;
     if (!recipe.is_none()) link(rs, created);

@@ -78,8 +78,24 @@ int set_sref(PyObject* self, PyObject* value, void*) {
   return 0;
 }
 
+// `children`: an empty list made on first read (record.h).
+PyObject* get_children(PyObject* self, void*) {
+  auto* r = reinterpret_cast<RecordObject*>(self);
+  if (r->children == nullptr && (r->children = PyList_New(0)) == nullptr) return nullptr;
+  Py_INCREF(r->children);
+  return r->children;
+}
+
+int set_children(PyObject* self, PyObject* value, void*) {
+  auto* r = reinterpret_cast<RecordObject*>(self);
+  Py_XINCREF(value);
+  Py_XSETREF(r->children, value);
+  return 0;
+}
+
 PyGetSetDef g_getset[] = {
     {"sref", get_sref, set_sref, "the _C.StorageRef of the storage holding this value, or None", nullptr},
+    {"children", get_children, set_children, "weakrefs to the records whose recipes read this value", nullptr},
     {nullptr, nullptr, nullptr, nullptr, nullptr},
 };
 
@@ -107,7 +123,6 @@ PyMemberDef g_members[] = {
     PYMEM_MEMBER(address_out, T_BOOL, nullptr),
     PYMEM_MEMBER(home, T_OBJECT, nullptr),
     PYMEM_MEMBER(recipe, T_OBJECT, nullptr),
-    PYMEM_MEMBER(children, T_OBJECT, nullptr),
     PYMEM_MEMBER(lost, T_OBJECT, nullptr),
     PYMEM_MEMBER(op, T_OBJECT, nullptr),
     PYMEM_MEMBER(host, T_OBJECT, nullptr),
@@ -118,20 +133,20 @@ PyMemberDef g_members[] = {
 
 }  // namespace
 
+PyObject* children_of(RecordObject* r) {
+  if (r->children == nullptr) r->children = PyList_New(0);
+  return r->children;
+}
+
 RecordObject* new_record_of(PyTypeObject* type) {
   auto* r = reinterpret_cast<RecordObject*>(type->tp_alloc(type, 0));  // zeroed, GC-tracked
   if (r == nullptr) return nullptr;
   r->id = ++g_last_id;
-  PyObject* children = PyList_New(0);
-  if (children == nullptr) {
-    Py_DECREF(r);
-    return nullptr;
-  }
   each_object(r, [](PyObject*& o) {
     Py_INCREF(Py_None);
     o = Py_None;
   });
-  Py_SETREF(r->children, children);
+  Py_CLEAR(r->children);  // made on first use (record.h)
   return r;
 }
 

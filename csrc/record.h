@@ -14,6 +14,8 @@
 //  - `sref` is made lazily: a record the fast path makes holds its storage reference as a C++
 //    StorageRef (`native_sref`) and makes the Python _C.StorageRef only when Python first reads
 //    `sref` (most records are never read from Python). At most one of the two is set.
+//  - `children` is NULL until something is linked to the record or Python reads it: NULL reads as
+//    an empty list (most values are read by no recipe, or only after the sweep dropped them).
 #pragma once
 
 #include <Python.h>
@@ -43,7 +45,7 @@ struct RecordObject {
   PyObject* sref;           // a _C.StorageRef or None; NULL while native_sref stands for it
   StorageRef* native_sref;  // owned
   PyObject* recipe;
-  PyObject* children;  // a list of weakrefs to the records whose recipes read this value
+  PyObject* children;  // a list of weakrefs to the records whose recipes read this value; NULL: empty
   PyObject* lost;
   PyObject* op;
   PyObject* host;
@@ -53,9 +55,12 @@ struct RecordObject {
 // _C.RecordBase, ready once the module is bound (bind_record in bindings.cpp).
 PyTypeObject* record_base_type();
 
-// A new record of `type` (RecordBase or a subclass), every field at its default: None, 0, False, a
-// fresh `children` list, the next id. New reference; NULL with a Python error set on failure.
+// A new record of `type` (RecordBase or a subclass), every field at its default: None, 0, False,
+// no `children` list yet, the next id. New reference; NULL with a Python error set on failure.
 RecordObject* new_record_of(PyTypeObject* type);
+
+// r's `children` list, made if it has none. Borrowed; NULL with a Python error set on failure.
+PyObject* children_of(RecordObject* r);
 
 // Gives `r` its storage reference as a C++ object (the Python one is made on first read).
 void set_native_sref(RecordObject* r, const StorageRef& ref);

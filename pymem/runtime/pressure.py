@@ -15,6 +15,7 @@ import random
 import threading
 import time
 
+from .. import _C
 from ..policies import sample_candidates
 from .compaction import compact_for
 
@@ -27,8 +28,13 @@ def _progress(arena) -> tuple:
     return s["num_frees"], s["num_moved_blocks"]
 
 
-class _ThreadSeconds(threading.local):
-    seconds = 0.0  # each thread starts from this class default; its own writes stay its own
+class _ThreadSeconds:
+    """This thread's seconds in the handler: a C thread-local (csrc/runtime_state.h), which the
+    fast path reads for every op."""
+
+    @property
+    def seconds(self) -> float:
+        return _C.handler_seconds()
 
 
 class PressureHandler:
@@ -55,7 +61,7 @@ class PressureHandler:
             try:
                 self._make_room(request, window)
             finally:
-                self.spent.seconds += _perf() - t0
+                _C.add_handler_seconds(_perf() - t0)
             if unmanaged and _progress(rt.arena) == before:
                 rt.threads.check_current(request)
 

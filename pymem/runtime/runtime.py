@@ -2,7 +2,6 @@
 TorchDispatchMode that records every aten op's outputs, restores evicted inputs before an op runs,
 and lets the policy release values when the arena is under pressure."""
 import operator
-import threading
 import time
 import weakref
 from typing import Dict, List, Optional
@@ -38,6 +37,7 @@ _FOREVER = 1 << 40  # added to a record's pins: no count of unpins takes it back
 _grad_enabled = torch.is_grad_enabled
 _graph_task_id = torch._C._current_graph_task_id  # -1 outside a backward pass
 _use_count = _C.storage_use_count
+_handler_seconds = _C.handler_seconds
 # Longest chain of recipes a value may stand at the end of (a deep model's forward is a few thousand
 # ops). Beyond it an op's outputs are leaves: a loop that keeps extending one value (a generation
 # loop's KV cache, a running sum) would otherwise keep every op it ever ran reachable.
@@ -106,8 +106,10 @@ def _unlist(running: List[list], entry: list) -> None:
             return
 
 
-class Runtime:
-    """State of one ``pymem.enable``: arena, records, policy, statistics."""
+class Runtime(_C.RuntimeBase):
+    """State of one ``pymem.enable``: arena, records, policy, statistics. The fields every op
+    touches (clock, num_ops, active, no_recipes, cost_model, swap) are C members of the base
+    (csrc/runtime_state.h), which the C++ fast path reads without an attribute lookup."""
 
     def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
                  sampling: bool = False, cost=None, hook=None, offload=None, prefetch: bool = True,
@@ -179,7 +181,7 @@ class Runtime:
         self.active = False
         # Bookkeeping of every thread's ops, and the pressure handler, run under this lock; a kernel
         # runs without it (_kernel), its inputs locked and listed in `running`.
-        self.lock = threading.RLock()
+        self.lock = _C.RuntimeLock()  # threading.RLock's contract; the fast path takes it without a call
         self.threads = ThreadCoverage(self, self.interception)
         self.raw_access = RawAccess(self)
         self.compile_warning = CompileWarning()
@@ -451,8 +453,7 @@ class Runtime:
             if info.seeded and (recomputable or (info.pure and not info.mutated)):  # replay, or retry
                 gen = kwargs.get("generator") or self._default_generator
                 rng = (gen, self.allocating(gen.get_state))
-            spent = self.pressure.spent  # this thread's time in the pressure handler
-            handled = spent.seconds
+            handled = _handler_seconds()  # this thread's time in the pressure handler so far
             t0 = _perf()
             # A collective still in flight when it returns: its communication thread may read or
             # write these buffers until its Work completes, which pymem does not see. They never
@@ -473,7 +474,7 @@ class Runtime:
                     raise self._run_error(info.name, recs, e2) from None
             estimate = self.cost_model
             if estimate is None:
-                cost = _perf() - t0 - (spent.seconds - handled)
+                cost = _perf() - t0 - (_handler_seconds() - handled)
             else:
                 cost = estimate.seconds(func, args, kwargs, ins, out)
             if not recomputable:

@@ -17,6 +17,7 @@ import contextlib
 import threading
 from typing import Iterator, Set
 
+from .. import _C
 from ..errors import OutOfBudgetError
 
 _OWN_PREFIX = "pymem-"
@@ -31,8 +32,13 @@ class ThreadCoverage:
         self.managed: Set[int] = set()
         self._original = None
 
+    def _manage_current(self, ident: int) -> None:
+        """The calling thread (``ident``) is managed; the C mark lets the fast path check it per op."""
+        self.managed.add(ident)
+        _C.mark_thread_managed(self.rt)
+
     def install(self) -> None:
-        self.managed.add(threading.get_ident())
+        self._manage_current(threading.get_ident())
         original = threading.Thread._bootstrap_inner
         coverage = self
 
@@ -57,12 +63,13 @@ class ThreadCoverage:
         if ident in self.managed and self._interception.on_this_thread():
             yield
             return
-        self.managed.add(ident)
+        self._manage_current(ident)
         with self._interception.cover_thread():
             yield
 
     def seen(self, ident: int) -> None:
-        self.managed.add(ident)
+        """The calling thread (``ident``) ran an op through the interception."""
+        self._manage_current(ident)
 
     def check_current(self, request: int) -> None:
         """Called when the pressure handler could not make room: an unmanaged thread gets an error

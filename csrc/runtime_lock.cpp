@@ -1,0 +1,127 @@
+// runtime_lock.cpp — _C.RuntimeLock (see runtime_lock.h).
+#include "runtime_lock.h"
+
+#include <pybind11/pybind11.h>
+
+namespace py = pybind11;
+
+namespace pymem {
+namespace {
+
+PyTypeObject g_type{};  // a static type, filled by bind_runtime_lock
+
+PyObject* lock_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
+  if ((args != nullptr && PyTuple_GET_SIZE(args) != 0) || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
+    PyErr_SetString(PyExc_TypeError, "pymem._C.RuntimeLock() takes no arguments");
+    return nullptr;
+  }
+  auto* l = reinterpret_cast<LockObject*>(type->tp_alloc(type, 0));
+  if (l == nullptr) return nullptr;
+  l->lock = PyThread_allocate_lock();
+  if (l->lock == nullptr) {
+    Py_DECREF(l);
+    PyErr_SetString(PyExc_MemoryError, "pymem: cannot allocate a lock");
+    return nullptr;
+  }
+  return reinterpret_cast<PyObject*>(l);
+}
+
+void lock_dealloc(PyObject* self) {
+  auto* l = reinterpret_cast<LockObject*>(self);
+  if (l->lock != nullptr) {
+    if (l->count > 0) PyThread_release_lock(l->lock);  // freeing a held lock is undefined
+    PyThread_free_lock(l->lock);
+  }
+  Py_TYPE(self)->tp_free(self);
+}
+
+PyObject* py_acquire(PyObject* self, PyObject* args, PyObject* kwargs) {
+  static const char* names[] = {"blocking", nullptr};
+  int blocking = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p:acquire", const_cast<char**>(names), &blocking)) return nullptr;
+  auto* l = reinterpret_cast<LockObject*>(self);
+  if (!blocking) {
+    const unsigned long me = PyThread_get_thread_ident();
+    if (l->count > 0 && l->owner == me) {
+      ++l->count;
+      Py_RETURN_TRUE;
+    }
+    if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) Py_RETURN_FALSE;
+    l->owner = me;
+    l->count = 1;
+    Py_RETURN_TRUE;
+  }
+  lock_acquire(l);
+  Py_RETURN_TRUE;
+}
+
+PyObject* py_release(PyObject* self, PyObject*) {
+  if (!lock_release(reinterpret_cast<LockObject*>(self))) return nullptr;
+  Py_RETURN_NONE;
+}
+
+PyObject* py_enter(PyObject* self, PyObject*) {
+  lock_acquire(reinterpret_cast<LockObject*>(self));
+  Py_RETURN_TRUE;
+}
+
+PyObject* py_exit(PyObject* self, PyObject*) { return py_release(self, nullptr); }
+
+PyObject* py_is_owned(PyObject* self, PyObject*) {
+  auto* l = reinterpret_cast<LockObject*>(self);
+  return PyBool_FromLong(l->count > 0 && l->owner == PyThread_get_thread_ident());
+}
+
+PyMethodDef g_methods[] = {
+    {"acquire", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_acquire)), METH_VARARGS | METH_KEYWORDS,
+     "acquire(blocking=True): as threading.RLock's (no timeout)"},
+    {"release", py_release, METH_NOARGS, "release(): as threading.RLock's"},
+    {"__enter__", py_enter, METH_NOARGS, nullptr},
+    {"__exit__", py_exit, METH_VARARGS, nullptr},
+    {"_is_owned", py_is_owned, METH_NOARGS, "whether the calling thread holds it"},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+void lock_acquire(LockObject* l) {
+  const unsigned long me = PyThread_get_thread_ident();
+  if (l->count > 0 && l->owner == me) {
+    ++l->count;
+    return;
+  }
+  if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) {
+    Py_BEGIN_ALLOW_THREADS
+    PyThread_acquire_lock(l->lock, WAIT_LOCK);
+    Py_END_ALLOW_THREADS
+  }
+  l->owner = me;
+  l->count = 1;
+}
+
+bool lock_release(LockObject* l) {
+  if (l->count == 0 || l->owner != PyThread_get_thread_ident()) {
+    PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
+    return false;
+  }
+  if (--l->count == 0) PyThread_release_lock(l->lock);
+  return true;
+}
+
+PyTypeObject* runtime_lock_type() { return &g_type; }
+
+void bind_runtime_lock(py::module_& m) {  // bindings.cpp calls it
+  Py_SET_REFCNT(reinterpret_cast<PyObject*>(&g_type), 1);
+  g_type.tp_name = "pymem._C.RuntimeLock";
+  g_type.tp_doc = "The runtime's re-entrant lock: threading.RLock's contract, taken by the fast path without a Python call (csrc/runtime_lock.h).";
+  g_type.tp_basicsize = sizeof(LockObject);
+  g_type.tp_flags = Py_TPFLAGS_DEFAULT;
+  g_type.tp_new = lock_new;
+  g_type.tp_dealloc = lock_dealloc;
+  g_type.tp_methods = g_methods;
+  if (PyType_Ready(&g_type) < 0) throw py::error_already_set();
+  Py_INCREF(&g_type);  // static: never freed
+  m.attr("RuntimeLock") = py::handle(reinterpret_cast<PyObject*>(&g_type));
+}
+
+}  // namespace pymem
