@@ -348,14 +348,15 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     recs[j] = py::handle(reinterpret_cast<PyObject*>(r));
     rs[j] = r;
   }
-  const bool recomputable = managed && f.pure && S.no_recipes == 0 &&
+  bool recomputable = managed && f.pure && S.no_recipes == 0 &&
                             (c10::GradMode::is_enabled() || (R.graph_task_id().cast<long>() < 0 && !f.overwrites));
   if (!f.mutated.empty()) {
     // run_op's in-place cases but one go to Python: a recipe for the written value (the record
-    // splits), or a write to a leaf some recipe read (its dependents are invalidated). What stays is
-    // a write outside recipes (a gradient summed in place in backward, under no_recompute) to
-    // leaves no recipe reads, whose host copies go stale.
-    if (recomputable) {
+    // splits), a snapshot of a written leaf for a fresh output's recipe, or a write to a leaf some
+    // recipe read (its dependents are invalidated). What stays is a write to leaves no recipe reads
+    // whose outputs get no recipe (a gradient summed in place in backward, zero_ on gradients, any
+    // write under no_recompute): their host copies go stale, nothing else changes.
+    if (recomputable && f.fresh_returns) {
       ++g_stats.slow;
       return false;
     }
@@ -382,6 +383,9 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       Py_INCREF(Py_None);
       Py_XSETREF(r->host, Py_None);  // overwritten in place below: a host copy would be stale
     }
+    // Every written value is a leaf, and no snapshot is taken (no fresh output): run_op's
+    // recomputable ends false here.
+    recomputable = false;
   }
   add_locks(rs, +1);
   struct UnlockInputs {

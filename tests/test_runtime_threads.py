@@ -225,3 +225,29 @@ def test_pressure_handled_on_another_thread_is_not_this_threads_op_cost():
         assert rt.pressure.spent.seconds == before
     finally:
         pymem.disable()
+
+
+def test_the_runtime_lock_keeps_threading_rlocks_contract():
+    """Runtime.lock (C, taken by the fast path without a call) is re-entrant, released by its owner
+    only, and a thread waiting for it lets the holder run Python meanwhile (no GIL held while waiting)."""
+    lock = pymem._C.RuntimeLock()
+    with lock:
+        with lock:  # re-entrant
+            assert lock._is_owned()
+        assert lock._is_owned()
+        assert _in_thread(lambda: lock.acquire(blocking=False)) is False  # another thread cannot take it
+        with pytest.raises(RuntimeError, match="un-acquired"):
+            _in_thread(lock.release)
+    assert not lock._is_owned()
+    with pytest.raises(RuntimeError, match="un-acquired"):
+        lock.release()
+
+    order = []
+    lock.acquire()
+    t = threading.Thread(target=lambda: (lock.acquire(), order.append("waiter"), lock.release()))
+    t.start()
+    for _ in range(1000):  # the waiter blocks without the GIL: this thread keeps running Python
+        order.append("holder")
+    lock.release()
+    t.join(10)
+    assert not t.is_alive() and order[-1] == "waiter" and order.count("holder") == 1000
