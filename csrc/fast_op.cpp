@@ -46,6 +46,10 @@ struct RuntimeRefs {
   RuntimeObject* state = nullptr;  // rt's C fields (runtime_state.h); rt keeps it
   LockObject* mutex = nullptr;     // rt.lock (runtime_lock.h); `lock` keeps it
   py::object sweep, op_info, graph_task_id;
+  py::object cost_model_type, op_flops, flop_formula;  // cost_model.py's CostModel, op_flops, _flop_formula
+  // The rates of the CostModel last seen as rt.cost_model (read once per model object).
+  py::object rates_of;
+  double flop_rate = 0, byte_rate = 0, launch = 0;
   uintptr_t releasable_lo = 0, releasable_hi = 0;  // the backend's releasable_range
   PyTypeObject* recipe_type = nullptr;  // records.Recipe
   PyTypeObject* record_type = nullptr;  // records.Record
@@ -90,6 +94,7 @@ struct OpFacts {
   bool pure = false;        // its outputs may get recipes
   bool overwrites = false;  // writes every element of its one written argument without reading it
   bool fresh_returns = false;
+  bool priced = false;      // torch's FLOP counter has a formula for it (cost_model._flop_formula)
   std::vector<size_t> mutated;  // schema positions of the arguments it writes (OpInfo.mutated)
   py::object func;  // the OpOverload
   py::object name;  // str(func), a record's `op`
@@ -112,6 +117,7 @@ const OpFacts& facts_of(const RuntimeRefs& R, const c10::OperatorHandle& op) {
     for (py::handle m : info.attr("mutated")) f.mutated.push_back(m.cast<py::tuple>()[0].cast<size_t>());
     f.fresh_returns = info.attr("fresh_returns").cast<bool>();
     f.name = info.attr("name");
+    f.priced = !R.flop_formula(f.func.attr("overloadpacket")).is_none();
   });
   return g_facts->emplace(key, std::move(f)).first->second;
 }
@@ -245,6 +251,59 @@ void link(const std::vector<RecordObject*>& recs, RecordObject* child) {
   }
 }
 
+// rt.cost_model is a CostModel whose `seconds` this file computes as it does (not a subclass):
+// its rates, read once per model object, are in R.
+bool estimate_here(RuntimeRefs& R, PyObject* model) {
+  if (Py_TYPE(model) != reinterpret_cast<PyTypeObject*>(R.cost_model_type.ptr())) return false;
+  if (R.rates_of.ptr() != model) {
+    py::handle m(model);
+    R.flop_rate = m.attr("flop_rate").cast<double>();
+    R.byte_rate = m.attr("byte_rate").cast<double>();
+    R.launch = m.attr("launch").cast<double>();
+    R.rates_of = py::reinterpret_borrow<py::object>(model);
+  }
+  return true;
+}
+
+int64_t viewed_bytes(const c10::IValue& v) {  // cost_model.tensor_bytes of one tensor (None: 0)
+  if (!v.isTensor() || !v.toTensor().defined()) return 0;
+  const at::Tensor& t = v.toTensor();
+  return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+// CostModel.seconds(func, args, kwargs, ins, out): launch + max(flops / flop_rate, bytes / byte_rate),
+// in the same double arithmetic. `args`: the op's arguments as the kernel got them; `returns` its
+// results on the stack. FLOPs come from torch's formulas (Python, memoized there) for the ops that
+// have one (matmuls, convolutions, attention); every other op is priced by bytes alone.
+double estimated_cost(const RuntimeRefs& R, const OpFacts& f, const c10::FunctionSchema& schema,
+                      const std::vector<at::Tensor>& ins, c10::ArrayRef<c10::IValue> args,
+                      c10::ArrayRef<c10::IValue> returns) {
+  int64_t moved = 0;
+  for (const at::Tensor& t : ins) moved += t.numel() * static_cast<int64_t>(t.element_size());
+  // `out` as Python sees it: one tensor, or a list or tuple whose tensor items count (one level).
+  if (returns.size() == 1 && (returns[0].isTensorList() || returns[0].isList())) {
+    for (const c10::IValue& x : returns[0].toListRef()) moved += viewed_bytes(x);
+  } else {
+    for (const c10::IValue& v : returns) moved += viewed_bytes(v);
+  }
+  int64_t flops = 0;
+  if (f.priced) {
+    flops = in_python(R, [&] {
+      auto [pargs, pkwargs] = python_call_arguments(schema, [&](size_t i) { return torch::jit::toPyObject(args[i]); });
+      py::object out;
+      if (returns.size() == 1) {
+        out = torch::jit::toPyObject(returns[0]);
+      } else {
+        py::tuple outs(returns.size());
+        for (size_t i = 0; i < returns.size(); ++i) outs[i] = torch::jit::toPyObject(returns[i]);
+        out = std::move(outs);
+      }
+      return R.op_flops(f.func, pargs, pkwargs, out).cast<int64_t>();
+    });
+  }
+  return R.launch + std::max(static_cast<double>(flops) / R.flop_rate, static_cast<double>(moved) / R.byte_rate);
+}
+
 }  // namespace
 
 void set_fast_path(py::object runtime) {
@@ -275,6 +334,10 @@ void set_fast_path(py::object runtime) {
   R->graph_task_id = py::module_::import("torch").attr("_C").attr("_current_graph_task_id");
   R->set_eval_frame = py::module_::import("pymem.runtime.interception").attr("_set_eval_frame");
   R->depth_limit = runtime_mod.attr("_DEPTH_LIMIT").cast<int64_t>();
+  py::module_ cost_model = py::module_::import("pymem.cost_model");
+  R->cost_model_type = cost_model.attr("CostModel");
+  R->op_flops = cost_model.attr("op_flops");
+  R->flop_formula = cost_model.attr("_flop_formula");
   R->device = c10::Device(py::str(runtime.attr("device")).cast<std::string>()).type();
   R->leaf_name = py::str("leaf");
   g_rt = R;
@@ -284,20 +347,21 @@ FastPathStats fast_path_stats() { return g_stats; }
 
 bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
   if (g_rt == nullptr) return false;
-  const RuntimeRefs& R = *g_rt;
+  RuntimeRefs& R = *g_rt;
   RuntimeObject& S = *R.state;
   const OpFacts& f = facts_of(R, op);
-  // Cases the Python path owns (run_op): not active; costs estimated (a CUDA timer sees only the
-  // launch); a copy to or from host memory pending (swap.after_op); a thread seen for the first
-  // time (threads.seen); a seeded op, a collective, an op that may grow a storage (resize_).
-  // A view-only op (every output aliases an input) takes this path in those two cases too: its
-  // cost is its measured time (a view's estimate is as near zero), and swap.after_op runs below.
-  // It must: torch's own C++ makes views that Python then adopts (Tensor._make_subclass, under
-  // nn.Parameter, detaches its data and gives the new tensor a Parameter object), and the Python
-  // path would already have given that tensor a plain Tensor object.
+  // Cases the Python path owns (run_op): not active; costs estimated by a cost model other than
+  // cost_model.CostModel itself (a subclass's `seconds`); a thread seen for the first time
+  // (threads.seen); a seeded op, a collective, an op that may grow a storage (resize_).
+  // A view-only op (every output aliases an input) takes this path under any cost model: its cost
+  // is then its measured time (a view's estimate is as near zero). It must: torch's own C++ makes
+  // views that Python then adopts (Tensor._make_subclass, under nn.Parameter, detaches its data and
+  // gives the new tensor a Parameter object), and the Python path would already have given that
+  // tensor a plain Tensor object.
   const bool view_only = !f.fresh_returns && f.mutated.empty();
   const bool estimated = S.cost_model != nullptr && S.cost_model != Py_None;
-  if (!f.eligible || !S.active || (!view_only && (estimated || swap_busy(S))) || !thread_managed_by(S.serial)) {
+  const bool estimate_here_ok = estimated && estimate_here(R, S.cost_model);
+  if (!f.eligible || !S.active || (estimated && !estimate_here_ok && !view_only) || !thread_managed_by(S.serial)) {
     ++g_stats.slow;
     return false;
   }
@@ -440,7 +504,9 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     ++g_stats.slow;
     return false;
   }
-  const double cost = (t1 - t0) - (handler_seconds() - handled);
+  const double cost = estimate_here_ok
+                           ? estimated_cost(R, f, schema, ins, saved, torch::jit::last(*stack, schema.returns().size()))
+                           : (t1 - t0) - (handler_seconds() - handled);
   unlock_inputs.held = false;
   unlist(R.running, recs);
   add_locks(rs, -1);

@@ -273,3 +273,37 @@ def test_a_write_outside_recipes_is_booked_in_cpp_and_runs_out_as_under_the_mode
         assert torch.equal(w.grad, 2 * (x.t() @ torch.ones(8, 64)))
     finally:
         pymem.disable()
+
+
+def _priced_program(rt):
+    """_program and a training step (matmuls priced by FLOPs, the rest by bytes, views among them):
+    each output's record's cost, and the clock from 0."""
+    rt.clock = 0.0
+    outs = _program()
+    torch.manual_seed(1)
+    w, b = torch.randn(8, 16, requires_grad=True), torch.randn(8, requires_grad=True)
+    torch.tanh(torch.addmm(b, torch.randn(4, 16), w.t())).sum().backward()
+    outs += [w.grad, b.grad]
+    return [rt.table[_C.storage_key(t)].compute_cost for t in outs], rt.clock
+
+
+def test_estimated_costs_are_booked_in_cpp_as_the_cost_model_prices_them(monkeypatch):
+    """Under cost estimates (the CUDA default) ops take the fast path, which prices them as
+    CostModel.seconds does: the same cost for every record and the same clock, to the bit."""
+    from pymem.cost_model import CostModel
+    monkeypatch.setenv("PYMEM_INTERCEPT", "dispatcher")
+    rt = pymem.enable(budget="64MB", device="cpu", cost=CostModel(3e10, 7e9, 4e-6))
+    try:
+        before = _C.fast_path_stats()
+        by_cpp = _priced_program(rt)
+        after = _C.fast_path_stats()
+        _C.set_fast_path(None)  # every op by run_op
+        try:
+            by_python = _priced_program(rt)
+        finally:
+            _C.set_fast_path(rt)
+    finally:
+        pymem.disable()
+    assert after["fast"] - before["fast"] > 3 * (after["slow"] - before["slow"])
+    assert by_cpp == by_python
+    assert len(set(by_cpp[0])) > 3  # priced apart: FLOPs and bytes both count
