@@ -26,6 +26,7 @@ void bind_record(py::module_& m);  // record.cpp
 void bind_recipe(py::module_& m);  // recipe.cpp
 void bind_runtime_state(py::module_& m);  // runtime_state.cpp
 void bind_runtime_lock(py::module_& m);  // runtime_lock.cpp
+void bind_step_trace(py::module_& m);  // step_trace.cpp
 }
 
 PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
@@ -37,6 +38,7 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
   pymem::bind_recipe(m);
   pymem::bind_runtime_state(m);
   pymem::bind_runtime_lock(m);
+  pymem::bind_step_trace(m);
   m.def("install_cpu_hook", &pymem::install_cpu_hook, py::arg("arena"),
         "Make `arena` (a 'host' Arena) PyTorch's CPU allocator. Earlier tensors keep their deleters.");
   m.def("uninstall_cpu_hook", &pymem::uninstall_cpu_hook,

@@ -7,6 +7,7 @@
 #include "record.h"
 #include "runtime_lock.h"
 #include "runtime_state.h"
+#include "step_trace.h"
 #include "storage.h"
 #include "types.h"
 
@@ -46,6 +47,8 @@ struct RuntimeRefs {
   RuntimeObject* state = nullptr;  // rt's C fields (runtime_state.h); rt keeps it
   LockObject* mutex = nullptr;     // rt.lock (runtime_lock.h); `lock` keeps it
   py::object sweep, op_info, graph_task_id;
+  py::object trace_owner;      // rt.trace
+  StepTrace* trace = nullptr;  // trace_owner's
   py::object cost_model_type, op_flops, flop_formula;  // cost_model.py's CostModel, op_flops, _flop_formula
   // The rates of the CostModel last seen as rt.cost_model (read once per model object).
   py::object rates_of;
@@ -95,6 +98,7 @@ struct OpFacts {
   bool overwrites = false;  // writes every element of its one written argument without reading it
   bool fresh_returns = false;
   bool priced = false;      // torch's FLOP counter has a formula for it (cost_model._flop_formula)
+  int32_t code = 0;         // its op code in step traces (step_trace.h)
   std::vector<size_t> mutated;  // schema positions of the arguments it writes (OpInfo.mutated)
   py::object func;  // the OpOverload
   py::object name;  // str(func), a record's `op`
@@ -117,6 +121,7 @@ const OpFacts& facts_of(const RuntimeRefs& R, const c10::OperatorHandle& op) {
     for (py::handle m : info.attr("mutated")) f.mutated.push_back(m.cast<py::tuple>()[0].cast<size_t>());
     f.fresh_returns = info.attr("fresh_returns").cast<bool>();
     f.name = info.attr("name");
+    f.code = info.attr("code").cast<int32_t>();
     f.priced = !R.flop_formula(f.func.attr("overloadpacket")).is_none();
   });
   return g_facts->emplace(key, std::move(f)).first->second;
@@ -323,6 +328,8 @@ void set_fast_path(py::object runtime) {
     throw py::type_error("pymem: set_fast_path takes a Runtime (a _C.RuntimeBase whose lock is a _C.RuntimeLock)");
   }
   R->sweep = runtime.attr("sweep");
+  R->trace_owner = runtime.attr("trace");
+  R->trace = as_step_trace(R->trace_owner);
   std::tie(R->releasable_lo, R->releasable_hi) =
       runtime.attr("backend").attr("releasable_range").cast<std::pair<uintptr_t, uintptr_t>>();
   R->home = runtime.attr("residency");
@@ -537,6 +544,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   // One tensor returned (most ops): its recipe takes the capture itself; several share copies.
   const bool one_output = num_returns == 1 && stack->back().isTensor();
   size_t index = 0;
+  std::vector<RecordObject*> made;  // fresh values, for the step trace
   auto output = [&](const at::Tensor& o) {
     const size_t i = index++;
     if (!is_managed_tensor(o, R.device)) return;
@@ -556,6 +564,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
                                      : new_captured_recipe(R.recipe_type, *capture, static_cast<int64_t>(i));
     RecordObject* created = new_record(R, o, pykey, cost, now, recipe, f.name);
     created->depth = depth;
+    made.push_back(created);
     if (!recipe.is_none()) link(rs, created);
   };
   for (const c10::IValue& v : torch::jit::last(*stack, num_returns)) {
@@ -572,6 +581,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       ++index;
     }
   }
+  if (R.trace != nullptr) R.trace->record_op(f.code, cost, rs, made);
   ++g_stats.fast;
   return true;
 }

@@ -116,6 +116,8 @@ PyMemberDef g_members[] = {
     PYMEM_MEMBER(need_rank, T_LONGLONG, nullptr),
     PYMEM_MEMBER(pins, T_LONGLONG, nullptr),
     PYMEM_MEMBER(depth, T_LONGLONG, nullptr),
+    PYMEM_MEMBER(trace_step, T_LONGLONG, "the step trace's step in which trace_value was given (0: none)"),
+    PYMEM_MEMBER(trace_value, T_LONGLONG, "the value's index in that step's trace"),
     PYMEM_MEMBER(compute_cost, T_DOUBLE, nullptr),
     PYMEM_MEMBER(last_access, T_DOUBLE, nullptr),
     PYMEM_MEMBER(evicted, T_BOOL, nullptr),

@@ -36,6 +36,8 @@ struct RecordObject {
   int64_t need_rank;
   int64_t pins;
   int64_t depth;
+  int64_t trace_step;   // the step trace's step in which trace_value was given (step_trace.h); 0: none
+  int64_t trace_value;  // the value's index in that step
   double compute_cost;
   double last_access;
   char evicted;  // char: what a T_BOOL member reads and writes

@@ -11,7 +11,7 @@ from . import _C
 from ._C import Arena, Block, Victim, Window
 from .errors import OutOfBudgetError
 from .api import (budget, current, disable, dump_snapshot, enable, evict, is_enabled, is_evicted,
-                  manage_thread, max_memory_allocated, memory_snapshot, memory_stats, memory_summary, no_recompute, pin,
+                  manage_thread, max_memory_allocated, memory_snapshot, memory_stats, memory_summary, no_recompute, pin, step, step_trace,
                   pinned,
                   record_memory_history, reset_peak_memory_stats, unpin)
 from .budget import parse_budget
@@ -41,5 +41,5 @@ def cpu_hook_arena() -> Optional[Arena]:
 
 __all__ = ["enable", "disable", "budget", "is_enabled", "current", "memory_stats", "memory_summary",
            "max_memory_allocated", "reset_peak_memory_stats", "parse_budget", "memory_snapshot", "dump_snapshot",
-           "record_memory_history", "evict", "is_evicted", "pin", "unpin", "pinned", "manage_thread", "no_recompute", "Arena", "Block", "Victim", "Window", "OutOfBudgetError", "install_cpu_hook",
+           "record_memory_history", "evict", "is_evicted", "pin", "unpin", "pinned", "manage_thread", "no_recompute", "step", "step_trace", "Arena", "Block", "Victim", "Window", "OutOfBudgetError", "install_cpu_hook",
            "uninstall_cpu_hook", "cpu_hook_arena", "__version__"]

@@ -243,6 +243,28 @@ def no_recompute() -> Iterator[None]:
             rt.no_recipes -= 1
 
 
+def step() -> None:
+    """Marks the end of a training step for pymem's step trace (``step_trace``). A step that ends
+    with an optimizer's ``step()`` needs no mark: pymem marks it. A no-op while pymem is not enabled."""
+    rt = _current
+    if rt is None:
+        return
+    with rt.lock:
+        rt.trace.end_step()
+
+
+def step_trace() -> Optional[dict]:
+    """The last complete training step as pymem saw it: its ops in order and the values they read and
+    made, as numpy arrays (``op``, ``op_cost``, ``inputs_start``/``inputs``, ``outputs_start``/
+    ``outputs``, ``value_bytes``, ``value_producer``, ``value_recomputable``; their meaning is in
+    README, "Step trace"). None before a step completed or while pymem is not enabled."""
+    rt = _current
+    if rt is None:
+        return None
+    with rt.lock:
+        return rt.trace.last_step() if rt.trace.num_steps else None
+
+
 def manage_thread():
     """``with pymem.manage_thread():`` — the calling thread's ops go through pymem for the block.
     Threads started after ``enable()`` are managed already; this is for threads that existed before

@@ -3,6 +3,8 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from .. import _C
+
 aten = torch.ops.aten
 
 # Ops whose effect is not a pure function of their tensor arguments, or that change a storage's
@@ -33,13 +35,14 @@ _OVERWRITE_NAMES = {"zero_", "fill_", "normal_", "uniform_", "bernoulli_", "rand
 
 
 class OpInfo:
-    __slots__ = ("name", "mutated", "regrown", "seeded", "pure", "overwrites", "fresh_returns", "collective",
+    __slots__ = ("name", "code", "mutated", "regrown", "seeded", "pure", "overwrites", "fresh_returns", "collective",
                  "async_pos")
 
     def __init__(self, func) -> None:
         schema = func._schema
         tags = func.tags
         self.name = str(func)
+        self.code = _C.op_code(self.name)  # in step traces
         # (position, name) of arguments the op writes. inplace_view ops (t_, squeeze_, ...) only change
         # a tensor's view metadata, never storage bytes: records are per storage, so they mutate nothing.
         written = [(i, a.name) for i, a in enumerate(schema.arguments)

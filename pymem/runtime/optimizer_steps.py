@@ -6,7 +6,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 
 class OptimizerSteps:
-    """Counts ``rt.no_recipes`` up and down around each step while installed."""
+    """Counts ``rt.no_recipes`` up and down around each step while installed, and marks the end of
+    a step in the step trace after each."""
 
     def __init__(self, rt) -> None:
         self.rt = rt
@@ -20,6 +21,8 @@ class OptimizerSteps:
 
         def post(optimizer, args, kwargs):
             rt.no_recipes = max(0, rt.no_recipes - 1)
+            with rt.lock:
+                rt.trace.end_step()  # a training step ends with its optimizer's step
 
         self._handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
 

@@ -181,6 +181,7 @@ class Runtime(_C.RuntimeBase):
         self.active = False
         # Bookkeeping of every thread's ops, and the pressure handler, run under this lock; a kernel
         # runs without it (_kernel), its inputs locked and listed in `running`.
+        self.trace = _C.StepTrace()  # every step's ops and values, as arrays (csrc/step_trace.h)
         self.lock = _C.RuntimeLock()  # threading.RLock's contract; the fast path takes it without a call
         self.threads = ThreadCoverage(self, self.interception)
         self.raw_access = RawAccess(self)
@@ -507,6 +508,7 @@ class Runtime(_C.RuntimeBase):
                 counter = [0]
                 targs = tuple(_template(args, counter))
                 tkw = dict(zip(kwargs, _template(kwargs.values(), counter))) if kwargs else _NO_KWARGS
+        made = []  # the fresh values this op made, for the step trace
         if mut_recs:
             # Several storages written by one op (foreach, BatchNorm's running stats): recomputing one
             # would redo them all, so the written values become leaves; fresh outputs stay recomputable.
@@ -515,6 +517,7 @@ class Runtime(_C.RuntimeBase):
                 if r.recipe is None:
                     continue  # a leaf stays a leaf
                 if self._regrown(r, ins[j], cost, info.name):
+                    made.append(table[_storage_key(ins[j])])
                     continue
                 recipe = Recipe(func, targs, tkw, refs, ("arg", j), rng) if in_place_refs is not None else None
                 new = Record(self.residency, r.sref, r.nbytes, cost, now, recipe, info.name, r.in_arena)
@@ -522,6 +525,7 @@ class Runtime(_C.RuntimeBase):
                 self.residency.hand_over_pins(r, new)
                 r.sref = None  # r is now the old value: no storage, still recomputable by its recipe
                 table[_storage_key(ins[j])] = new
+                made.append(new)
                 if recipe is not None:
                     self._link(recs, new)
                     # Gone from memory like an evicted value: DTR's e* must count it, or a chain of
@@ -530,8 +534,8 @@ class Runtime(_C.RuntimeBase):
         elif info.regrown:
             for t in mutated_tensors(info.regrown, args, kwargs):
                 r = table.get(_storage_key(t))
-                if r is not None and r.recipe is not None:
-                    self._regrown(r, t, cost, info.name)
+                if r is not None and r.recipe is not None and self._regrown(r, t, cost, info.name):
+                    made.append(table[_storage_key(t)])
 
         # Outputs: views of known storages just get touched; fresh storages get a record.
         if isinstance(out, _Tensor):
@@ -539,6 +543,7 @@ class Runtime(_C.RuntimeBase):
         elif out.__class__ is tuple or out.__class__ is list:
             outs = remat._flat(out)
         else:
+            self.trace.record(info.code, cost, recs, made)
             return out
         for i, o in enumerate(outs):
             if not isinstance(o, _Tensor) or not on_device(o):
@@ -557,10 +562,12 @@ class Runtime(_C.RuntimeBase):
                 recipe = Recipe(func, targs, tkw, refs, ("ret", i), rng)
             new = self._new_record(o, key, cost, recipe, info.name)
             new.depth = depth
+            made.append(new)
             if pin:  # a fresh output it may fill until its wait
                 self.pin_for_good(new, "collective")
             if recipe is not None:
                 self._link(recs, new)
+        self.trace.record(info.code, cost, recs, made)
         return out
 
     def _kernel(self, func, args, kwargs):

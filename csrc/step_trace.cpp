@@ -1,0 +1,147 @@
+// step_trace.cpp — the step trace's arrays (see step_trace.h).
+#include "step_trace.h"
+
+#include "record.h"
+
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <unordered_map>
+
+namespace py = pybind11;
+
+namespace pymem {
+namespace {
+
+struct OpCodes {
+  std::unordered_map<std::string, int32_t> code;
+  std::vector<std::string> name;
+};
+OpCodes& op_codes() {  // under the GIL
+  static auto* codes = new OpCodes();  // never freed: codes live as long as the process
+  return *codes;
+}
+
+template <class T>
+py::array_t<T> as_array(const std::vector<T>& v) {
+  return py::array_t<T>(static_cast<py::ssize_t>(v.size()), v.data());  // a copy
+}
+
+py::dict as_dict(const StepArrays& s) {
+  py::dict d;
+  d["op"] = as_array(s.op);
+  d["op_cost"] = as_array(s.op_cost);
+  d["inputs_start"] = as_array(s.inputs_start);
+  d["inputs"] = as_array(s.inputs);
+  d["outputs_start"] = as_array(s.outputs_start);
+  d["outputs"] = as_array(s.outputs);
+  d["value_bytes"] = as_array(s.value_bytes);
+  d["value_producer"] = as_array(s.value_producer);
+  d["value_recomputable"] = as_array(s.value_recomputable);
+  return d;
+}
+
+}  // namespace
+
+int32_t op_code(const std::string& name) {
+  OpCodes& c = op_codes();
+  auto it = c.code.find(name);
+  if (it != c.code.end()) return it->second;
+  const auto code = static_cast<int32_t>(c.name.size());
+  c.name.push_back(name);
+  c.code.emplace(name, code);
+  return code;
+}
+
+const std::string& op_name(int32_t code) {
+  const OpCodes& c = op_codes();
+  if (code < 0 || static_cast<size_t>(code) >= c.name.size()) throw py::index_error("pymem: no op has code " + std::to_string(code));
+  return c.name[static_cast<size_t>(code)];
+}
+
+int32_t StepTrace::value_of(RecordObject* r) {
+  if (r->trace_step == step_) return static_cast<int32_t>(r->trace_value);
+  const auto v = static_cast<int32_t>(current_.value_bytes.size());
+  current_.value_bytes.push_back(r->nbytes);
+  current_.value_producer.push_back(-1);
+  current_.value_recomputable.push_back(r->recipe != nullptr && r->recipe != Py_None);
+  r->trace_step = step_;
+  r->trace_value = v;
+  return v;
+}
+
+void StepTrace::record_op(int32_t code, double cost, const std::vector<RecordObject*>& inputs,
+                          const std::vector<RecordObject*>& made) {
+  if (current_.op.size() >= kMaxStepOps) {  // no step mark for this long: a trace of no use
+    current_ = StepArrays();
+    ++step_;
+    ++num_dropped_;
+  }
+  StepArrays& s = current_;
+  const auto k = static_cast<int32_t>(s.op.size());
+  for (RecordObject* r : inputs)
+    if (r != nullptr) s.inputs.push_back(value_of(r));
+  for (RecordObject* r : made) {
+    const auto v = static_cast<int32_t>(s.value_bytes.size());
+    s.value_bytes.push_back(r->nbytes);
+    s.value_producer.push_back(k);
+    s.value_recomputable.push_back(r->recipe != nullptr && r->recipe != Py_None);
+    r->trace_step = step_;
+    r->trace_value = v;
+    s.outputs.push_back(v);
+  }
+  s.op.push_back(code);
+  s.op_cost.push_back(cost);
+  s.inputs_start.push_back(static_cast<int64_t>(s.inputs.size()));
+  s.outputs_start.push_back(static_cast<int64_t>(s.outputs.size()));
+}
+
+void StepTrace::end_step() {
+  last_ = std::move(current_);
+  current_ = StepArrays();
+  ++step_;
+  ++num_steps_;
+}
+
+StepTrace* as_step_trace(py::handle o) {
+  if (o.is_none()) return nullptr;
+  return &o.cast<StepTrace&>();
+}
+
+std::vector<RecordObject*> records_of(py::handle seq) {  // None items stay null
+  std::vector<RecordObject*> out;
+  for (py::handle item : seq) {
+    if (item.is_none()) {
+      out.push_back(nullptr);
+      continue;
+    }
+    RecordObject* r = as_record(item.ptr());
+    if (r == nullptr) throw py::type_error("pymem: StepTrace.record takes Records (or None)");
+    out.push_back(r);
+  }
+  return out;
+}
+
+void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
+  py::class_<StepTrace>(m, "StepTrace", "The ops and values of each training step, as arrays (csrc/step_trace.h).")
+      .def(py::init<>())
+      .def(
+          "record",
+          [](StepTrace& t, int32_t code, double cost, py::handle inputs, py::handle made) {
+            t.record_op(code, cost, records_of(inputs), records_of(made));
+          },
+          py::arg("code"), py::arg("cost"), py::arg("inputs"), py::arg("made"),
+          "One op execution: its code (op_code), cost, input records (None: unmanaged) and the records it made.")
+      .def("end_step", &StepTrace::end_step, "The current step is complete.")
+      .def_property_readonly("num_steps", &StepTrace::num_steps)
+      .def_property_readonly("num_dropped", &StepTrace::num_dropped)
+      .def("last_step", [](const StepTrace& t) { return as_dict(t.last()); },
+           "The last complete step's arrays (copies; see csrc/step_trace.h for their meaning).")
+      .def("current_step", [](const StepTrace& t) { return as_dict(t.current()); },
+           "The step being recorded, so far.");
+  m.def("op_code", &op_code, py::arg("name"), "The process-wide code of an op (its str(OpOverload)).");
+  m.def("op_name", &op_name, py::arg("code"));
+}
+
+}  // namespace pymem

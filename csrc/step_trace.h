@@ -1,0 +1,87 @@
+// step_trace.h — the trace of one training step: every op execution and every value, as arrays
+// (issue 13's step trace, recorded where ops are booked: the fast path and Runtime.run_op).
+//
+// A step is the ops between two step marks (the end of an optimizer's step(), or pymem.step()).
+// Values are storages' contents as the runtime's records hold them (a view is its storage's value):
+// a value is made by the op that produced it, or first seen as an input of an op of this step (made
+// before the step: a parameter, the batch, the optimizer's state). Values are numbered in the order
+// they appear, ops in the order they run; both numberings repeat from step to step when the program
+// repeats, so a value is identified across steps by its index (equivalently, by its producer's
+// position and its place among that op's outputs). The format, in arrays:
+//
+//   ops (n):     op[k]           the op's code (op_name(code) gives its name, "aten.mm.default"; codes are per process)
+//                op_cost[k]      its cost in seconds (measured, or the cost model's)
+//                inputs_start[k] .. inputs_start[k+1]    its inputs: indices into `inputs` (value
+//                                indices, in argument order, unmanaged tensors left out)
+//                outputs_start[k] .. outputs_start[k+1]  its outputs that are fresh values: indices
+//                                into `outputs` (value indices; a view of an input is no output)
+//   values (m):  value_bytes[v]  bytes of its storage
+//                value_producer[v]  the op that made it, or -1: made before this step
+//                value_recomputable[v]  1 if it got a recipe (it can be evicted and recomputed);
+//                                0: a leaf (gradients, optimizer writes, the step's inputs)
+// A value's uses are the ops whose inputs list it (forward and backward alike).
+//
+// A step of more than kMaxStepOps ops is dropped (recording starts over), so memory stays bounded
+// where no step is ever marked.
+//
+// Invariants: touched under the runtime's lock (and the GIL). A record knows its value in the step
+// being recorded by (trace_step, trace_value): a record whose trace_step is not the current step
+// is a value made before it, and gets an index when first seen.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pymem {
+
+struct RecordObject;  // record.h
+
+struct StepArrays {
+  std::vector<int32_t> op;
+  std::vector<double> op_cost;
+  std::vector<int64_t> inputs_start{0};
+  std::vector<int32_t> inputs;
+  std::vector<int64_t> outputs_start{0};
+  std::vector<int32_t> outputs;
+  std::vector<int64_t> value_bytes;
+  std::vector<int32_t> value_producer;
+  std::vector<uint8_t> value_recomputable;
+};
+
+class StepTrace {
+ public:
+  // One op execution: its inputs' records (null: an unmanaged tensor, left out) and the records it
+  // made (fresh outputs, and written values that became new records).
+  void record_op(int32_t code, double cost, const std::vector<RecordObject*>& inputs,
+                 const std::vector<RecordObject*>& made);
+  // The current step is complete: it becomes the last step, and a new one starts.
+  void end_step();
+
+  // A step longer than this is dropped and recording starts over: a program that never marks a
+  // step (an inference loop) keeps at most this many ops (about 60 MB).
+  static constexpr size_t kMaxStepOps = size_t{1} << 20;
+
+  int64_t num_steps() const { return num_steps_; }  // steps completed
+  int64_t num_dropped() const { return num_dropped_; }  // steps dropped for their length
+  const StepArrays& last() const { return last_; }
+  const StepArrays& current() const { return current_; }
+
+ private:
+  int32_t value_of(RecordObject* r);  // r's index in the current step, given on first sight
+  StepArrays current_, last_;
+  int64_t step_ = 1;  // the current step's number (records start at 0: seen in no step)
+  int64_t num_steps_ = 0;
+  int64_t num_dropped_ = 0;
+};
+
+// Process-wide op codes: the same op has the same code in every runtime.
+int32_t op_code(const std::string& name);
+const std::string& op_name(int32_t code);
+
+// _C.StepTrace (a Python object owning one StepTrace); null if `o` is none.
+StepTrace* as_step_trace(pybind11::handle o);
+
+}  // namespace pymem
