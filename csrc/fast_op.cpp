@@ -270,10 +270,12 @@ bool estimate_here(RuntimeRefs& R, PyObject* model) {
   return true;
 }
 
-int64_t viewed_bytes(const c10::IValue& v) {  // cost_model.tensor_bytes of one tensor (None: 0)
-  if (!v.isTensor() || !v.toTensor().defined()) return 0;
-  const at::Tensor& t = v.toTensor();
+int64_t viewed_bytes(const at::Tensor& t) {  // cost_model.tensor_bytes of one tensor
   return t.numel() * static_cast<int64_t>(t.element_size());
+}
+
+int64_t viewed_bytes(const c10::IValue& v) {  // the same of an op's result (None: 0)
+  return v.isTensor() && v.toTensor().defined() ? viewed_bytes(v.toTensor()) : 0;
 }
 
 // CostModel.seconds(func, args, kwargs, ins, out): launch + max(flops / flop_rate, bytes / byte_rate),
@@ -284,7 +286,7 @@ double estimated_cost(const RuntimeRefs& R, const OpFacts& f, const c10::Functio
                       const std::vector<at::Tensor>& ins, c10::ArrayRef<c10::IValue> args,
                       c10::ArrayRef<c10::IValue> returns) {
   int64_t moved = 0;
-  for (const at::Tensor& t : ins) moved += t.numel() * static_cast<int64_t>(t.element_size());
+  for (const at::Tensor& t : ins) moved += viewed_bytes(t);
   // `out` as Python sees it: one tensor, or a list or tuple whose tensor items count (one level).
   if (returns.size() == 1 && (returns[0].isTensorList() || returns[0].isList())) {
     for (const c10::IValue& x : returns[0].toListRef()) moved += viewed_bytes(x);

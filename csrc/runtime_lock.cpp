@@ -10,6 +10,19 @@ namespace {
 
 PyTypeObject g_type{};  // a static type, filled by bind_runtime_lock
 
+// Takes the lock if that needs no waiting: the caller holds it already, or nobody does.
+bool try_acquire(LockObject* l) {
+  const unsigned long me = PyThread_get_thread_ident();
+  if (l->count > 0 && l->owner == me) {
+    ++l->count;
+    return true;
+  }
+  if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) return false;
+  l->owner = me;
+  l->count = 1;
+  return true;
+}
+
 PyObject* lock_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   if ((args != nullptr && PyTuple_GET_SIZE(args) != 0) || (kwargs != nullptr && PyDict_GET_SIZE(kwargs) != 0)) {
     PyErr_SetString(PyExc_TypeError, "pymem._C.RuntimeLock() takes no arguments");
@@ -40,17 +53,7 @@ PyObject* py_acquire(PyObject* self, PyObject* args, PyObject* kwargs) {
   int blocking = 1;
   if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|p:acquire", const_cast<char**>(names), &blocking)) return nullptr;
   auto* l = reinterpret_cast<LockObject*>(self);
-  if (!blocking) {
-    const unsigned long me = PyThread_get_thread_ident();
-    if (l->count > 0 && l->owner == me) {
-      ++l->count;
-      Py_RETURN_TRUE;
-    }
-    if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) Py_RETURN_FALSE;
-    l->owner = me;
-    l->count = 1;
-    Py_RETURN_TRUE;
-  }
+  if (!blocking) return PyBool_FromLong(try_acquire(l));
   lock_acquire(l);
   Py_RETURN_TRUE;
 }
@@ -85,17 +88,11 @@ PyMethodDef g_methods[] = {
 }  // namespace
 
 void lock_acquire(LockObject* l) {
-  const unsigned long me = PyThread_get_thread_ident();
-  if (l->count > 0 && l->owner == me) {
-    ++l->count;
-    return;
-  }
-  if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) {
-    Py_BEGIN_ALLOW_THREADS
-    PyThread_acquire_lock(l->lock, WAIT_LOCK);
-    Py_END_ALLOW_THREADS
-  }
-  l->owner = me;
+  if (try_acquire(l)) return;
+  Py_BEGIN_ALLOW_THREADS
+  PyThread_acquire_lock(l->lock, WAIT_LOCK);
+  Py_END_ALLOW_THREADS
+  l->owner = PyThread_get_thread_ident();
   l->count = 1;
 }
 

@@ -82,12 +82,6 @@ void bind_runtime_state(py::module_& m) {  // bindings.cpp calls it
         t_managed_serial = rt->serial;
       },
       py::arg("runtime"), "The calling thread counts as managed by `runtime` (ThreadCoverage's cache, per thread).");
-  m.def(
-      "thread_is_managed", [](py::handle runtime) {
-        RuntimeObject* rt = as_runtime(runtime.ptr());
-        return rt != nullptr && thread_managed_by(rt->serial);
-      },
-      py::arg("runtime"));
   m.def("handler_seconds", &handler_seconds, "This thread's seconds in the pressure handler.");
   m.def(
       "add_handler_seconds", [](double seconds) { t_handler_seconds += seconds; }, py::arg("seconds"));

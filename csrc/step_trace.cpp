@@ -61,12 +61,12 @@ const std::string& op_name(int32_t code) {
 }
 
 int32_t StepTrace::value_of(RecordObject* r) {
-  if (r->trace_step == step_) return static_cast<int32_t>(r->trace_value);
+  if (r->trace_step == step()) return static_cast<int32_t>(r->trace_value);
   const auto v = static_cast<int32_t>(current_.value_bytes.size());
   current_.value_bytes.push_back(r->nbytes);
   current_.value_producer.push_back(-1);
   current_.value_recomputable.push_back(r->recipe != nullptr && r->recipe != Py_None);
-  r->trace_step = step_;
+  r->trace_step = step();
   r->trace_value = v;
   return v;
 }
@@ -75,10 +75,10 @@ void StepTrace::record_op(int32_t code, double cost, const std::vector<RecordObj
                           const std::vector<RecordObject*>& made) {
   if (current_.op.size() >= kMaxStepOps) {  // no step mark for this long: a trace of no use
     current_ = StepArrays();
-    ++step_;
     ++num_dropped_;
   }
   StepArrays& s = current_;
+  const int64_t step_number = step();
   const auto k = static_cast<int32_t>(s.op.size());
   for (RecordObject* r : inputs)
     if (r != nullptr) s.inputs.push_back(value_of(r));
@@ -87,7 +87,7 @@ void StepTrace::record_op(int32_t code, double cost, const std::vector<RecordObj
     s.value_bytes.push_back(r->nbytes);
     s.value_producer.push_back(k);
     s.value_recomputable.push_back(r->recipe != nullptr && r->recipe != Py_None);
-    r->trace_step = step_;
+    r->trace_step = step_number;
     r->trace_value = v;
     s.outputs.push_back(v);
   }
@@ -100,7 +100,6 @@ void StepTrace::record_op(int32_t code, double cost, const std::vector<RecordObj
 void StepTrace::end_step() {
   last_ = std::move(current_);
   current_ = StepArrays();
-  ++step_;
   ++num_steps_;
 }
 
@@ -137,9 +136,7 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       .def_property_readonly("num_steps", &StepTrace::num_steps)
       .def_property_readonly("num_dropped", &StepTrace::num_dropped)
       .def("last_step", [](const StepTrace& t) { return as_dict(t.last()); },
-           "The last complete step's arrays (copies; see csrc/step_trace.h for their meaning).")
-      .def("current_step", [](const StepTrace& t) { return as_dict(t.current()); },
-           "The step being recorded, so far.");
+           "The last complete step's arrays (copies; see csrc/step_trace.h for their meaning).");
   m.def("op_code", &op_code, py::arg("name"), "The process-wide code of an op (its str(OpOverload)).");
   m.def("op_name", &op_name, py::arg("code"));
 }

@@ -67,12 +67,12 @@ class StepTrace {
   int64_t num_steps() const { return num_steps_; }  // steps completed
   int64_t num_dropped() const { return num_dropped_; }  // steps dropped for their length
   const StepArrays& last() const { return last_; }
-  const StepArrays& current() const { return current_; }
 
  private:
+  // The current step's number, from 1 (a record's trace_step starts at 0: seen in no step).
+  int64_t step() const { return num_steps_ + num_dropped_ + 1; }
   int32_t value_of(RecordObject* r);  // r's index in the current step, given on first sight
   StepArrays current_, last_;
-  int64_t step_ = 1;  // the current step's number (records start at 0: seen in no step)
   int64_t num_steps_ = 0;
   int64_t num_dropped_ = 0;
 };
