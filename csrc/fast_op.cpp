@@ -17,6 +17,7 @@
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <c10/core/GradMode.h>
+#include <c10/util/SmallVector.h>
 
 #include <algorithm>
 #include <chrono>
@@ -133,7 +134,7 @@ uintptr_t key_of(const at::Tensor& t) {  // _C.storage_key
 }
 
 // _gather: tensor arguments in order, one level of lists.
-void gather(const c10::IValue& v, std::vector<at::Tensor>& out) {
+void gather(const c10::IValue& v, c10::SmallVectorImpl<at::Tensor>& out) {
   any_tensor_arg(v, [&](const at::Tensor& t) {
     out.push_back(t);
     return false;
@@ -213,7 +214,7 @@ void unlist(const py::object& running, const py::object& entry) {
   }
 }
 
-void add_locks(const std::vector<RecordObject*>& recs, int64_t delta) {
+void add_locks(c10::ArrayRef<RecordObject*> recs, int64_t delta) {
   for (RecordObject* r : recs)
     if (r != nullptr) r->locks += delta;
 }
@@ -245,7 +246,7 @@ RecordObject* new_record(const RuntimeRefs& R, const at::Tensor& t, const py::in
 
 // Runtime._link: `child` becomes a child of every distinct input record, leaves included (one
 // weakref shared by all the lists).
-void link(const std::vector<RecordObject*>& recs, RecordObject* child) {
+void link(c10::ArrayRef<RecordObject*> recs, RecordObject* child) {
   py::object w = py::reinterpret_steal<py::object>(PyWeakref_NewRef(reinterpret_cast<PyObject*>(child), nullptr));
   if (!w) throw py::error_already_set();
   for (size_t j = 0; j < recs.size(); ++j) {
@@ -283,7 +284,7 @@ int64_t viewed_bytes(const c10::IValue& v) {  // the same of an op's result (Non
 // results on the stack. FLOPs come from torch's formulas (Python, memoized there) for the ops that
 // have one (matmuls, convolutions, attention); every other op is priced by bytes alone.
 double estimated_cost(const RuntimeRefs& R, const OpFacts& f, const c10::FunctionSchema& schema,
-                      const std::vector<at::Tensor>& ins, c10::ArrayRef<c10::IValue> args,
+                      c10::ArrayRef<at::Tensor> ins, c10::ArrayRef<c10::IValue> args,
                       c10::ArrayRef<c10::IValue> returns) {
   int64_t moved = 0;
   for (const at::Tensor& t : ins) moved += viewed_bytes(t);
@@ -376,7 +377,9 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   }
   const auto& schema = op.schema();
   const size_t n = schema.arguments().size();
-  std::vector<at::Tensor> ins;
+  // Small vectors throughout: an op has a few tensors, and a malloc per vector per op showed in
+  // profiles of tiny ops.
+  c10::SmallVector<at::Tensor, 6> ins;
   for (const c10::IValue& v : torch::jit::last(*stack, n)) gather(v, ins);
 
   lock_acquire(R.mutex);
@@ -391,7 +394,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   // run_op: inputs to records (a leaf record for a storage seen for the first time). `recs` holds
   // them (the list `running` shows compaction); `rs` the same records, or null where `recs` has None.
   py::list recs(ins.size());
-  std::vector<RecordObject*> rs(ins.size(), nullptr);
+  c10::SmallVector<RecordObject*, 6> rs(ins.size(), nullptr);
   for (size_t j = 0; j < ins.size(); ++j) recs[j] = py::none();
   bool managed = true;
   for (size_t j = 0; j < ins.size(); ++j) {
@@ -433,14 +436,14 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       ++g_stats.slow;
       return false;
     }
-    std::vector<const c10::TensorImpl*> written;
+    c10::SmallVector<const c10::TensorImpl*, 2> written;
     for (size_t pos : f.mutated)
       if (pos < n)
         any_tensor_arg(torch::jit::last(*stack, n)[pos], [&](const at::Tensor& t) {
           written.push_back(t.unsafeGetTensorImpl());
           return false;
         });
-    std::vector<RecordObject*> overwritten;
+    c10::SmallVector<RecordObject*, 2> overwritten;
     for (size_t j = 0; j < ins.size(); ++j) {
       RecordObject* r = rs[j];
       if (r == nullptr || std::find(written.begin(), written.end(), ins[j].unsafeGetTensorImpl()) == written.end())
@@ -464,7 +467,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   struct UnlockInputs {
     const RuntimeRefs& R;
     py::list& recs;
-    std::vector<RecordObject*>& rs;
+    c10::SmallVectorImpl<RecordObject*>& rs;
     bool held = true;
     ~UnlockInputs() {
       if (!held) return;
@@ -479,7 +482,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   PyList_Append(R.running.ptr(), recs.ptr());
   const double handled = handler_seconds();
   const size_t base = stack->size() - n;
-  std::vector<c10::IValue> saved(torch::jit::last(*stack, n).begin(), torch::jit::last(*stack, n).end());
+  const c10::SmallVector<c10::IValue, 8> saved(torch::jit::last(*stack, n).begin(), torch::jit::last(*stack, n).end());
 
   // The kernel, with the runtime's lock and the GIL released (Runtime._kernel).
   if (!lock_release(R.mutex)) throw py::error_already_set();
@@ -546,7 +549,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   // One tensor returned (most ops): its recipe takes the capture itself; several share copies.
   const bool one_output = num_returns == 1 && stack->back().isTensor();
   size_t index = 0;
-  std::vector<RecordObject*> made;  // fresh values, for the step trace
+  c10::SmallVector<RecordObject*, 2> made;  // fresh values, for the step trace
   auto output = [&](const at::Tensor& o) {
     const size_t i = index++;
     if (!is_managed_tensor(o, R.device)) return;

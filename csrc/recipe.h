@@ -39,16 +39,17 @@ struct CapturedRef {
   bool conj = false, neg = false;
 };
 
-// func(*args, **kwargs) as the op was called, tensors taken out.
+// func(*args, **kwargs) as the op was called, tensors taken out. Small vectors: one heap block per
+// capture (the Capture itself), not one per field, on the fast path of every op.
 struct Capture {
   pybind11::object func;                      // the OpOverload
   const c10::FunctionSchema* schema = nullptr;  // the dispatcher's, alive as long as the op
   // The op's arguments, each tensor argument replaced by an undefined tensor (a list holding one is
   // copied first: the caller's list is not ours to change).
-  std::vector<c10::IValue> args;
+  c10::SmallVector<c10::IValue, 6> args;
   // Where each tensor argument was, in order: (argument, list item or -1). Slot i of the template.
-  std::vector<std::pair<int32_t, int32_t>> slots;
-  std::vector<CapturedRef> refs;  // one per slot
+  c10::SmallVector<std::pair<int32_t, int32_t>, 4> slots;
+  c10::SmallVector<CapturedRef, 2> refs;  // one per slot
 };
 
 struct RecipeObject {

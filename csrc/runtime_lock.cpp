@@ -3,6 +3,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include <new>
+
 namespace py = pybind11;
 
 namespace pymem {
@@ -17,7 +19,7 @@ bool try_acquire(LockObject* l) {
     ++l->count;
     return true;
   }
-  if (!PyThread_acquire_lock(l->lock, NOWAIT_LOCK)) return false;
+  if (!l->mutex->try_lock()) return false;
   l->owner = me;
   l->count = 1;
   return true;
@@ -30,20 +32,19 @@ PyObject* lock_new(PyTypeObject* type, PyObject* args, PyObject* kwargs) {
   }
   auto* l = reinterpret_cast<LockObject*>(type->tp_alloc(type, 0));
   if (l == nullptr) return nullptr;
-  l->lock = PyThread_allocate_lock();
-  if (l->lock == nullptr) {
+  l->mutex = new (std::nothrow) std::mutex();
+  if (l->mutex == nullptr) {
     Py_DECREF(l);
-    PyErr_SetString(PyExc_MemoryError, "pymem: cannot allocate a lock");
-    return nullptr;
+    return PyErr_NoMemory();
   }
   return reinterpret_cast<PyObject*>(l);
 }
 
 void lock_dealloc(PyObject* self) {
   auto* l = reinterpret_cast<LockObject*>(self);
-  if (l->lock != nullptr) {
-    if (l->count > 0) PyThread_release_lock(l->lock);  // freeing a held lock is undefined
-    PyThread_free_lock(l->lock);
+  if (l->mutex != nullptr) {
+    if (l->count > 0) l->mutex->unlock();  // destroying a held mutex is undefined
+    delete l->mutex;
   }
   Py_TYPE(self)->tp_free(self);
 }
@@ -90,7 +91,7 @@ PyMethodDef g_methods[] = {
 void lock_acquire(LockObject* l) {
   if (try_acquire(l)) return;
   Py_BEGIN_ALLOW_THREADS
-  PyThread_acquire_lock(l->lock, WAIT_LOCK);
+  l->mutex->lock();
   Py_END_ALLOW_THREADS
   l->owner = PyThread_get_thread_ident();
   l->count = 1;
@@ -101,7 +102,7 @@ bool lock_release(LockObject* l) {
     PyErr_SetString(PyExc_RuntimeError, "cannot release un-acquired lock");
     return false;
   }
-  if (--l->count == 0) PyThread_release_lock(l->lock);
+  if (--l->count == 0) l->mutex->unlock();
   return true;
 }
 

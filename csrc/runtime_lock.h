@@ -12,15 +12,14 @@
 #pragma once
 
 #include <Python.h>
-#include <pythread.h>
-
 #include <cstdint>
+#include <mutex>
 
 namespace pymem {
 
 struct LockObject {
   PyObject_HEAD
-  PyThread_type_lock lock;
+  std::mutex* mutex;    // owned; a futex word: an uncontended take is one atomic exchange
   unsigned long owner;  // PyThread_get_thread_ident of the holder; meaningful while count > 0
   int64_t count;        // acquisitions not yet released by the holder
 };

@@ -71,8 +71,8 @@ int32_t StepTrace::value_of(RecordObject* r) {
   return v;
 }
 
-void StepTrace::record_op(int32_t code, double cost, const std::vector<RecordObject*>& inputs,
-                          const std::vector<RecordObject*>& made) {
+void StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs,
+                          c10::ArrayRef<RecordObject*> made) {
   if (current_.op.size() >= kMaxStepOps) {  // no step mark for this long: a trace of no use
     current_ = StepArrays();
     ++num_dropped_;

@@ -29,6 +29,7 @@
 // is a value made before it, and gets an index when first seen.
 #pragma once
 
+#include <c10/util/ArrayRef.h>
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
@@ -55,8 +56,7 @@ class StepTrace {
  public:
   // One op execution: its inputs' records (null: an unmanaged tensor, left out) and the records it
   // made (fresh outputs, and written values that became new records).
-  void record_op(int32_t code, double cost, const std::vector<RecordObject*>& inputs,
-                 const std::vector<RecordObject*>& made);
+  void record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs, c10::ArrayRef<RecordObject*> made);
   // The current step is complete: it becomes the last step, and a new one starts.
   void end_step();
 
