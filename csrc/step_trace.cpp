@@ -76,6 +76,7 @@ void StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
   if (current_.op.size() >= kMaxStepOps) {  // no step mark for this long: a trace of no use
     current_ = StepArrays();
     ++num_dropped_;
+    following_ = false;
   }
   StepArrays& s = current_;
   const int64_t step_number = step();
@@ -95,12 +96,31 @@ void StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
   s.op_cost.push_back(cost);
   s.inputs_start.push_back(static_cast<int64_t>(s.inputs.size()));
   s.outputs_start.push_back(static_cast<int64_t>(s.outputs.size()));
+  if (following_ && !plan_.matches(s, static_cast<size_t>(k))) {
+    following_ = false;
+    ++num_divergences_;
+  }
 }
 
 void StepTrace::end_step() {
   last_ = std::move(current_);
   current_ = StepArrays();
   ++num_steps_;
+  if (planning_) plan_.build(last_);
+  following_ = planning_ && !plan_.empty();
+}
+
+void StepTrace::set_planning(bool on) {
+  planning_ = on;
+  if (!on) {
+    plan_ = StepPlan();
+    following_ = false;
+  }
+}
+
+double StepTrace::seconds_to_next_use(const RecordObject* r) const {
+  if (!following_ || r->trace_step != step()) return -1.0;
+  return plan_.seconds_to_next_use(static_cast<int32_t>(r->trace_value), current_.op.size());
 }
 
 StepTrace* as_step_trace(py::handle o) {
@@ -135,6 +155,20 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       .def("end_step", &StepTrace::end_step, "The current step is complete.")
       .def_property_readonly("num_steps", &StepTrace::num_steps)
       .def_property_readonly("num_dropped", &StepTrace::num_dropped)
+      .def_property("planning", &StepTrace::planning, &StepTrace::set_planning,
+                    "Whether each step is planned from the one before (csrc/step_plan.h).")
+      .def_property_readonly("following", &StepTrace::following, "The step so far is its plan's.")
+      .def_property_readonly("num_divergences", &StepTrace::num_divergences, "Steps that left their plan.")
+      .def(
+          "seconds_to_next_use",
+          [](const StepTrace& t, py::handle record) -> py::object {
+            const RecordObject* r = as_record(record.ptr());
+            if (r == nullptr) throw py::type_error("pymem: StepTrace.seconds_to_next_use takes a Record");
+            const double s = t.seconds_to_next_use(r);
+            return s < 0 ? py::object(py::none()) : py::object(py::float_(s));
+          },
+          py::arg("record"),
+          "Planned seconds until the record's value is next read in this step (inf: not again); None: unknown.")
       .def("last_step", [](const StepTrace& t) { return as_dict(t.last()); },
            "The last complete step's arrays (copies; see csrc/step_trace.h for their meaning).");
   m.def("op_code", &op_code, py::arg("name"), "The process-wide code of an op (its str(OpOverload)).");

@@ -29,6 +29,8 @@
 // is a value made before it, and gets an index when first seen.
 #pragma once
 
+#include "step_plan.h"
+
 #include <c10/util/ArrayRef.h>
 #include <pybind11/pybind11.h>
 
@@ -57,8 +59,18 @@ class StepTrace {
   // One op execution: its inputs' records (null: an unmanaged tensor, left out) and the records it
   // made (fresh outputs, and written values that became new records).
   void record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs, c10::ArrayRef<RecordObject*> made);
-  // The current step is complete: it becomes the last step, and a new one starts.
+  // The current step is complete: it becomes the last step, and a new one starts (planned from it
+  // when planning).
   void end_step();
+
+  // Planning (step_plan.h): each step is planned from the one before, and followed until it diverges.
+  bool planning() const { return planning_; }
+  void set_planning(bool on);
+  bool following() const { return following_; }       // the step so far is the plan's
+  int64_t num_divergences() const { return num_divergences_; }  // steps that left their plan
+  // Planned seconds until r's value is next read in this step (+infinity: not again in this step);
+  // negative when the plan cannot say (not following, or r's value not seen in this step).
+  double seconds_to_next_use(const RecordObject* r) const;
 
   // A step longer than this is dropped and recording starts over: a program that never marks a
   // step (an inference loop) keeps at most this many ops (about 60 MB).
@@ -73,6 +85,10 @@ class StepTrace {
   int64_t step() const { return num_steps_ + num_dropped_ + 1; }
   int32_t value_of(RecordObject* r);  // r's index in the current step, given on first sight
   StepArrays current_, last_;
+  StepPlan plan_;
+  bool planning_ = false;
+  bool following_ = false;
+  int64_t num_divergences_ = 0;
   int64_t num_steps_ = 0;
   int64_t num_dropped_ = 0;
 };

@@ -31,7 +31,7 @@ def _resolve_device(device: Optional[str]) -> str:
 def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
-           prefetch: bool = True) -> Runtime:
+           prefetch: bool = True, plan: str = "off") -> Runtime:
     """Keep every tensor allocated from now on inside ``budget``, evicting (recomputed on next use)
     or offloading (copied back) tensors under pressure; training gives bitwise the same results. Tensors that exist already stay where
     they are (outside the budget).
@@ -72,6 +72,11 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     prefetch: bring offloaded values back ahead of use, newest first (backward reads activations in
     reverse), into free arena memory only, on a side stream (a worker thread on the CPU). Needs
     ``allocator="arena"``.
+    plan: ``"auto"``: from the second training step on, each step is planned from the one before
+    (the step trace): under pressure the value released is the one whose return costs least per
+    byte and per second until its next use in the step (Belady's rule weighted by cost), where the
+    step still follows its plan; a step that leaves it (other ops, other shapes) falls back to
+    ``policy`` for the rest of that step. ``"off"`` (the default): ``policy`` alone.
 
     Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
@@ -79,18 +84,18 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     device = _resolve_device(device)
     if allocator is None:
         allocator = "arena"
-    check_choices(policy, allocator, sampling, cost, offload, prefetch)  # a typo first, by name
+    check_choices(policy, allocator, sampling, cost, offload, prefetch, plan=plan)  # a typo first, by name
     nbytes = parse_budget(budget, device)
-    settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch)
+    settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch, plan)
     if _current is not None:
         if settings == _settings:
             return _current
-        names = ("budget", "policy", "device", "allocator", "sampling", "cost", "offload", "prefetch")
+        names = ("budget", "policy", "device", "allocator", "sampling", "cost", "offload", "prefetch", "plan")
         raise RuntimeError(f"pymem is already enabled with {_describe(names, _settings)}; call pymem.disable() "
                            f"before enabling it with {_describe(names, settings)}")
     check_cuda_order(device, allocator)  # before the runtime looks at the device
     rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
-                 offload=offload, prefetch=prefetch)
+                 offload=offload, prefetch=prefetch, plan=plan)
     rt.start()
     _current, _settings = rt, settings
     log.info("pymem enabled: budget %d B, policy %s, device %s, allocator %s", rt.budget, policy, device, allocator)
@@ -105,14 +110,14 @@ def _describe(names, values) -> str:
 def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
-           prefetch: bool = True) -> Iterator[Runtime]:
+           prefetch: bool = True, plan: str = "off") -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
     if _current is not None:
         raise RuntimeError("pymem.budget() cannot be used while pymem is already enabled; "
                            "call pymem.disable() first")
     rt = enable(limit, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
-                offload=offload, prefetch=prefetch)
+                offload=offload, prefetch=prefetch, plan=plan)
     try:
         yield rt
     finally:

@@ -192,22 +192,33 @@ def test_estimated_costs_train_bitwise_equal_at_30_percent(managed, name):
     assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
 
 
-def test_estimated_costs_make_the_same_decisions_every_run(managed):
-    """Measured times vary run to run, and so do the decisions they feed; estimates do not. Each run
-    starts from a collected heap with the cyclic collector off: a collection at a different point
-    frees tensors held in cycles at a different point, which moves blocks (compactions), not costs."""
+@pytest.mark.parametrize("plan", ["off", "auto"])
+def test_estimated_costs_make_the_same_decisions_every_run(managed, plan):
+    """Measured times vary run to run, and so do the decisions they feed; estimates do not, with the
+    step plan or without. Each run starts from a collected heap with the cyclic collector off: a
+    collection at a different point frees tensors held in cycles at a different point, which moves
+    blocks (compactions), not costs."""
     counts = []
     for _ in range(2):
         gc.collect()
         gc.disable()
         try:
-            stats = managed_run(managed, "gpt", budget_for("gpt", 0.5), "dtr", cost="estimate")[3]
+            stats = managed_run(managed, "gpt", budget_for("gpt", 0.5), "dtr", cost="estimate", plan=plan)[3]
         finally:
             gc.enable()
         counts.append({k: stats[k] for k in ("num_evictions", "num_rematerializations", "evicted_bytes",
-                                             "num_compactions", "moved_bytes")})
+                                             "num_compactions", "moved_bytes", "plan_hits")})
     assert counts[0] == counts[1]
     assert counts[0]["num_evictions"] > 0
+
+
+@pytest.mark.parametrize("name", rm.NAMES)
+def test_planned_steps_train_bitwise_equal_at_30_percent(managed, name):
+    """plan="auto": from the second step on, releases follow the plan the step before makes (Belady's
+    rule weighted by cost). Same guarantees at the tightest ratio, and the plan did choose."""
+    stats = trained_bitwise_equal(managed, name, 0.3, "dtr", plan="auto")
+    assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
+    assert stats["plan_hits"] > 0, stats
 
 
 @pytest.mark.parametrize("policy", ["dtr-chain", "dtr-local", "lru", "coop"])

@@ -10,6 +10,7 @@ a tensor only through the read-only attributes of :class:`TensorView` and the lo
 Names: ``dtr`` (h_DTR with the union-find estimate of e*), ``dtr-chain`` (h_DTR plus the exact cost of
 evicted ancestors), ``dtr-local``, ``lru``, ``size``,
 ``msps`` (Capuchin), ``coop`` (h = c'/s, fed to the arena's window search as block cost).
+``Planned`` (planned.py, not registered) wraps any of them with Belady's rule from the step plan.
 
 Directors (``director.py``) decide, for a value chosen for release, between offloading it to host
 memory and evicting it: ``delta`` (offload when the round trip is cheaper than the recompute),
@@ -19,8 +20,9 @@ from .base import Policy, TensorView, get_policy, policy_names, register
 from .director import Director, director_names, get_director, register_director
 from .heuristics import Coop, DTR, DTRChain, DTRLocal, LRU, MSPS, Size
 from .neighbourhood import EvictedNeighbourhood
+from .planned import Planned
 from .sampling import sample_candidates
 
 __all__ = ["Policy", "TensorView", "get_policy", "policy_names", "register", "DTR", "DTRChain", "DTRLocal", "LRU",
-           "Size", "MSPS", "Coop", "EvictedNeighbourhood", "sample_candidates", "Director", "director_names",
+           "Size", "MSPS", "Coop", "Planned", "EvictedNeighbourhood", "sample_candidates", "Director", "director_names",
            "get_director", "register_director"]

@@ -1,5 +1,5 @@
 """The policy interface and its registry."""
-from typing import ClassVar, Dict, List, Protocol, Type
+from typing import ClassVar, Dict, List, Optional, Protocol, Type
 
 
 class TensorView(Protocol):
@@ -13,6 +13,8 @@ class TensorView(Protocol):
     evicted_ancestor_cost: float   # cost of evicted ancestors that a recompute would also redo
     swap_cost: float            # c_s: one copy to or from host memory (bytes / link bandwidth)
     has_host_copy: bool         # a valid host copy exists: releasing again copies nothing
+    next_use: Optional[float]   # d: planned seconds until its next use in this step (inf: none);
+                                # None: no plan says (see planned.py)
 
 
 class Policy:

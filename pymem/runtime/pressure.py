@@ -40,7 +40,8 @@ class _ThreadSeconds:
 class PressureHandler:
     def __init__(self, rt, sampling: bool = False) -> None:
         self.rt = rt
-        self.uses_window = rt.policy.name == "coop"
+        self.uses_window = rt.settings.policy.name == "coop"  # rt.policy may wrap it (Planned)
+        self.num_planned = 0  # releases the step plan chose (plan="auto")
         # DTR's candidate sampling: score ~sqrt(N) random values instead of all N (seeded, so a
         # run repeats itself). Off by default: it makes tight budgets fail at random.
         self.rng = random.Random(0) if sampling else None
@@ -127,6 +128,8 @@ class PressureHandler:
                     best, best_key = r, k
         if best is None:  # last resort: a prefetch's buffer, still filling
             return rt.swap.cancel_one() if rt.swap is not None else 0
+        if rt.residency.plan is not None and rt.trace.following:
+            self.num_planned += 1
         rt.residency.release(best)
         return best.nbytes
 

@@ -144,6 +144,11 @@ class Record(_C.RecordBase):
     def has_host_copy(self) -> bool:
         return self.host is not None
 
+    @property
+    def next_use(self) -> Optional[float]:
+        plan = self.home.plan
+        return _next_use(plan, self, 8) if plan is not None else None
+
     # --- graph ---
     def neighbour_ids(self) -> List[int]:
         ids = [r.id for r in self.recipe.input_records()] if self.recipe else []
@@ -158,3 +163,18 @@ class Record(_C.RecordBase):
                  "evicted" if self.evicted else
                  "leaf" if self.recipe is None else "resident")
         return f"Record(#{self.id} {self.op} {self.nbytes} B {state})"
+
+
+def _next_use(plan, r: "Record", depth: int) -> Optional[float]:
+    """Planned seconds until r's value is next needed: read by an op, or read by the recompute of an
+    evicted reader when that reader is next needed (``depth`` levels of evicted readers)."""
+    d = plan.seconds_to_next_use(r)
+    if d is None or depth == 0:
+        return d
+    for w in r.children:
+        c = w()
+        if c is not None and c.evicted and c.host is None:
+            dc = _next_use(plan, c, depth - 1)
+            if dc is not None and dc < d:
+                d = dc
+    return d

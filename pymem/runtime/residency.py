@@ -23,6 +23,7 @@ class Residency:
         self.uses_neighbourhood = uses_neighbourhood
         self.link_bandwidth = link_bandwidth  # bytes/s of a host copy (Record.swap_cost)
         self.swap = None  # the Swapper, when values may be offloaded
+        self.plan = None  # the step trace, when it plans each step from the last (Record.next_use)
         # Values recomputed only as inputs (no storage of their own): record -> (StorageRef, tensor).
         self.cache: Dict[Record, tuple] = {}
         self.neighbourhood = EvictedNeighbourhood()

@@ -13,7 +13,7 @@ from .. import _C
 from .. import cost_model as _cost_model
 from .. import cupy as _cupy
 from ..errors import OutOfBudgetError
-from ..policies import Policy
+from ..policies import Planned, Policy
 from . import interception as _interception, remat, settings as _settings
 from .backends import ArenaBackend, NativeBackend
 from .hooks import CpuHook, CudaLibHook
@@ -113,7 +113,7 @@ class Runtime(_C.RuntimeBase):
 
     def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
                  sampling: bool = False, cost=None, hook=None, offload=None, prefetch: bool = True,
-                 link_bandwidth: Optional[float] = None) -> None:
+                 link_bandwidth: Optional[float] = None, plan: str = "off") -> None:
         """``hook``: how the arena becomes PyTorch's allocator (``hooks.py``); by default the CPU
         hook on the CPU and libpymem_cuda.so on CUDA. ``offload``: a director's name
         (``pymem.policies.director_names()``) or a Director; default ``"delta"`` on CUDA and
@@ -121,10 +121,12 @@ class Runtime(_C.RuntimeBase):
         ``link_bandwidth``: bytes per second of a copy to or from host memory (default: timed once
         per process)."""
         conf = _settings.check(budget, policy, device, allocator, sampling, cost, offload, prefetch,
-                               link_bandwidth)
+                               link_bandwidth, plan)
         self.settings = conf
         self.device = conf.device
-        self.policy: Policy = conf.policy
+        # plan="auto": the policy's choice under pressure follows the step plan where it can say
+        # (policies/planned.py; the plan is the step trace's, below).
+        self.policy: Policy = conf.policy if conf.plan == "off" else Planned(conf.policy)
         self.allocator = conf.allocator
         if conf.allocator == "arena":
             hook = hook if hook is not None else \
@@ -182,6 +184,9 @@ class Runtime(_C.RuntimeBase):
         # Bookkeeping of every thread's ops, and the pressure handler, run under this lock; a kernel
         # runs without it (_kernel), its inputs locked and listed in `running`.
         self.trace = _C.StepTrace()  # every step's ops and values, as arrays (csrc/step_trace.h)
+        if conf.plan == "auto":
+            self.trace.planning = True
+            self.residency.plan = self.trace
         self.lock = _C.RuntimeLock()  # threading.RLock's contract; the fast path takes it without a call
         self.threads = ThreadCoverage(self, self.interception)
         self.raw_access = RawAccess(self)
@@ -705,6 +710,8 @@ class Runtime(_C.RuntimeBase):
             "num_invalidations": self.num_invalidations,
             "num_leaf_copies": self.num_leaf_copies,
             "num_orphaned_leaves": self.num_orphaned_leaves,
+            "plan_hits": self.pressure.num_planned,
+            "plan_divergences": self.trace.num_divergences,
             "num_records": len(self.table),
             "num_pinned_storages": sum(1 for r in self.table.values() if r.pins),
             "num_managed_threads": len(self.threads.managed),

@@ -16,6 +16,7 @@ from ..policies import Director, Policy, director_names, get_director, get_polic
 
 ALLOCATORS = ("arena", "native")
 COSTS = ("measured", "estimate")
+PLANS = ("auto", "off")  # plan each step from the last (policies/planned.py), or not
 INTERCEPTS = ("mode", "dispatcher")  # interception.py
 
 
@@ -35,6 +36,7 @@ class Settings:
     cost: Union[str, CostModel]       # "measured", "estimate", or fixed rates
     link_bandwidth: Optional[float]   # bytes/s of a host copy; None: timed once per process
     intercept: str                    # one of INTERCEPTS: how ops reach the runtime
+    plan: str = "off"                 # one of PLANS
 
     @property
     def on_cuda(self) -> bool:
@@ -61,7 +63,7 @@ def check_device(device, allocator: str) -> torch.device:
 
 
 def check_choices(policy="dtr", allocator: str = "arena", sampling: bool = False, cost=None, offload=None,
-                  prefetch: bool = True, link_bandwidth=None) -> None:
+                  prefetch: bool = True, link_bandwidth=None, plan: str = "off") -> None:
     """Every setting but the budget and the device, which need the device looked at (and on CUDA that
     must wait for pymem.enable's check of CUDA's initialisation order): a ValueError that names the
     bad one and what is accepted."""
@@ -77,6 +79,8 @@ def check_choices(policy="dtr", allocator: str = "arena", sampling: bool = False
                          f"{_accepted(director_names())}")
     if not isinstance(prefetch, bool):
         raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+    if plan not in PLANS:
+        raise ValueError(f"plan {plan!r} is not accepted; accepted: {_accepted(PLANS)}")
     if link_bandwidth is not None and not (isinstance(link_bandwidth, (int, float)) and link_bandwidth > 0):
         raise ValueError(f"link_bandwidth must be a positive number of bytes per second, got {link_bandwidth!r}")
     if not isinstance(policy, Policy):
@@ -100,12 +104,12 @@ def check_intercept() -> str:
 
 
 def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sampling: bool = False,
-          cost=None, offload=None, prefetch: bool = True, link_bandwidth=None) -> Settings:
+          cost=None, offload=None, prefetch: bool = True, link_bandwidth=None, plan: str = "off") -> Settings:
     """Settings from ``pymem.enable``'s arguments (the budget already in bytes), or a ValueError that
     names the bad one and what is accepted. ``policy`` / ``offload``: a name or an instance; ``cost``
     and ``offload`` None: by device (measured and never on the CPU, estimate and delta on CUDA)."""
     policy = policy if isinstance(policy, Policy) else get_policy(policy)
-    check_choices(policy, allocator, sampling, cost, offload, prefetch, link_bandwidth)
+    check_choices(policy, allocator, sampling, cost, offload, prefetch, link_bandwidth, plan)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
         raise ValueError(f"budget must be a positive int of bytes here, got {budget!r}")
     dev = check_device(device, allocator)
@@ -118,4 +122,4 @@ def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sam
     return Settings(budget=budget, device=dev, allocator=allocator, policy=policy, director=director,
                     prefetch=prefetch, sampling=sampling, cost=cost,
                     link_bandwidth=float(link_bandwidth) if link_bandwidth else None,
-                    intercept=check_intercept())
+                    intercept=check_intercept(), plan=plan)

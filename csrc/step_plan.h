@@ -1,0 +1,56 @@
+// step_plan.h — the future of a training step, read from the step before it (issue 13's guided
+// release): when each value is next used, and how much work runs until then.
+//
+// A training step repeats: the same ops, in the same order, on values numbered the same way (see
+// step_trace.h). So the last complete step, read backwards, says for the step now running what
+// Belady's rule needs: for a value v at op position k, the position of its next use, and the
+// planned seconds of work between (the costs the last step booked). The plan holds only while the
+// step follows it: StepTrace checks every op booked against the plan's op at that position (its
+// code, its inputs' value numbers, its fresh outputs' bytes) and stops consulting the plan at the
+// first mismatch (a divergence: data-dependent control flow, another shape), until the next step,
+// which is then planned from the diverging step.
+//
+// Layout (arrays, built once per step from StepArrays):
+//   use_start[v] .. use_start[v+1]   indices into `uses`: the positions of the ops reading v, ascending
+//   before[k]                        planned seconds of the ops before position k (before[0] = 0)
+//
+// Invariants: built and read under the runtime's lock; a plan is immutable once built.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace pymem {
+
+struct StepArrays;  // step_trace.h
+
+class StepPlan {
+ public:
+  // The plan for a step like `s` (empty when s has no ops).
+  void build(const StepArrays& s);
+  bool empty() const { return op_.empty(); }
+  size_t num_ops() const { return op_.size(); }
+  size_t num_values() const { return value_bytes_.size(); }
+
+  // Whether the op booked at position k of the step being recorded (its code, input values and
+  // fresh outputs' bytes: `s` holds them, just appended) is the op the plan has there.
+  bool matches(const StepArrays& s, size_t k) const;
+
+  // Planned seconds from position k (the op running now, or the next to run) until the next op at
+  // or after k that reads value v; +infinity when none does for the rest of the step; -1 when v is
+  // not one of the plan's values.
+  double seconds_to_next_use(int32_t v, size_t k) const;
+
+ private:
+  std::vector<int32_t> op_;
+  std::vector<int64_t> inputs_start_, outputs_start_;
+  std::vector<int32_t> inputs_;
+  std::vector<int64_t> output_bytes_;  // per output slot, in order: the value's bytes
+  std::vector<int64_t> value_bytes_;
+  std::vector<int64_t> use_start_;
+  std::vector<int32_t> uses_;
+  std::vector<double> before_;
+};
+
+}  // namespace pymem

@@ -1,0 +1,39 @@
+"""Belady's rule weighted by cost, from the step plan (issue 13's guided release).
+
+A training step repeats, so the step before the one running says when each value will be read next
+(csrc/step_plan.h): ``TensorView.next_use``, planned seconds of work until then. The value to release
+is the one whose return costs least per byte and per second it may stay away:
+
+    h = (c + a*) / (m * d)
+
+c: the producer's cost, a*: its evicted ancestors' (a recompute redoes them first; Capuchin's MSPS
+with the lineage as it stands after every earlier pick), m: bytes, d: seconds to the next use
+(infinite where the step reads it no more: released first, at no cost). Where the plan cannot say
+(the first step, a step that left its plan, a value made before the step), the fallback policy
+scores the value as it would without a plan.
+"""
+from .base import Policy, TensorView
+
+
+class Planned(Policy):
+    """Not registered: the runtime wraps its policy in it when planning (``plan="auto"``)."""
+
+    name = "planned"
+
+    def __init__(self, fallback: Policy) -> None:
+        self.fallback = fallback
+        self.uses_neighbourhood = fallback.uses_neighbourhood
+
+    def evaluate(self, t: TensorView, now: float) -> float:
+        d = t.next_use
+        if d is None:
+            return self.fallback.evaluate(t, now)
+        return (t.compute_cost + t.evicted_neighbour_cost + t.evicted_ancestor_cost) / (max(t.nbytes, 1) * max(d, 1e-12))
+
+    def block_cost(self, t: TensorView, now: float) -> float:
+        if t.next_use is None:
+            return self.fallback.block_cost(t, now)
+        return max(self.evaluate(t, now), 0.0) * max(t.nbytes, 1)
+
+    def __repr__(self) -> str:
+        return f"Planned({self.fallback!r})"

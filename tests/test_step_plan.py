@@ -1,0 +1,124 @@
+"""The step plan (csrc/step_plan.h, policies/planned.py): each training step planned from the one
+before; next uses read from it; a step that leaves its plan falls back and stays bitwise equal."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pymem
+from pymem.cost_model import CostModel
+from pymem.policies import DTR, Planned
+from bitwise_harness import assert_bitwise_equal, budget_at, measure_peak, run_managed, run_unmanaged
+
+torch.set_num_threads(2)
+
+FIXED = CostModel(3e10, 7e9, 4e-6)  # fixed rates: the same costs, so the same plan, every run
+
+
+def _chain_step(x):
+    """Four ops: a = x*2, b = a+1, c = b*3, d = a+c (op positions 0..3 of each step)."""
+    a = x * 2
+    b = a + 1
+    c = b * 3
+    return a, b, c, a + c
+
+
+def test_next_use_is_read_from_the_step_before(managed):
+    rt = pymem.enable(budget="64MB", device="cpu", cost=FIXED, plan="auto")
+    x = torch.ones(1000)
+    for _ in range(3):  # the first step also made x: the second leaves its plan, the third keeps it
+        _chain_step(x)
+        pymem.step()
+    diverged = pymem.memory_stats()["plan_divergences"]
+    cost = rt.trace.last_step()["op_cost"]
+    assert len(cost) == 4 and rt.trace.following
+    a = x * 2                                    # position 0 ran; next is 1
+    rec_a = rt.table[pymem._C.storage_key(a)]
+    assert rt.trace.seconds_to_next_use(rec_a) == 0.0  # b = a + 1 reads it now
+    assert rec_a.next_use == 0.0
+    b = a + 1                                    # position 1 ran
+    rec_b = rt.table[pymem._C.storage_key(b)]
+    assert rt.trace.seconds_to_next_use(rec_a) == pytest.approx(cost[2])  # c runs first, then a + c
+    c = b * 3                                    # position 2 ran
+    assert rt.trace.seconds_to_next_use(rec_b) == math.inf  # nothing reads b again in this step
+    a + c
+    assert rt.trace.following
+    assert pymem.memory_stats()["plan_divergences"] == diverged
+    pymem.step()
+    x - 5                                        # not the plan's first op (x * 2): the step left its plan
+    assert not rt.trace.following and rt.trace.seconds_to_next_use(rec_a) is None
+    assert pymem.memory_stats()["plan_divergences"] == diverged + 1
+
+
+class Branchy(nn.Module):
+    """Its op sequence changes with its input: a sample whose first feature is positive takes an
+    extra block, and the count of such samples sets how often the last block repeats."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(32, 128)
+        self.extra = nn.Sequential(nn.Linear(128, 128), nn.GELU(), nn.Linear(128, 128))
+        self.block = nn.Sequential(nn.Linear(128, 128), nn.Tanh())
+        self.out = nn.Linear(128, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        if x[0, 0] > 0:
+            h = h + self.extra(h)
+        for _ in range(1 + int((x[:, 0] > 0).sum()) % 3):
+            h = self.block(h)
+        return self.out(h)
+
+
+def _make_branchy():
+    torch.manual_seed(0)
+    model = Branchy()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    batches = [torch.randn(1024, 32) for _ in range(6)]
+    turn = [0]
+
+    def step():
+        x = batches[turn[0] % len(batches)]
+        turn[0] += 1
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        return loss.detach().clone()
+
+    step.model = model
+    return step
+
+
+def test_a_step_that_leaves_its_plan_falls_back_and_trains_bitwise_equal(managed):
+    steps = 6
+    ref_out, ref_state, _ = run_unmanaged(_make_branchy, steps)
+    budget = budget_at(measure_peak(_make_branchy, steps), 0.6)
+    out, state, stats, _, _ = run_managed(_make_branchy, steps, budget, cost=FIXED, plan="auto")
+    assert_bitwise_equal("losses", ref_out, out)
+    assert_bitwise_equal("parameters", ref_state, state)
+    assert stats["allocated_bytes.peak"] <= budget
+    assert stats["num_evictions"] > 0
+    assert stats["plan_divergences"] >= 2, stats  # the batches take different branches
+
+
+def test_planned_wraps_the_policy_where_the_plan_cannot_say():
+    class View:
+        nbytes, compute_cost, last_access = 1000, 2.0, 1.0
+        evicted_neighbour_cost, evicted_ancestor_cost, swap_cost, has_host_copy = 0.5, 1.0, 0.0, False
+        next_use = None
+
+    p, t = Planned(DTR()), View()
+    assert p.evaluate(t, 3.0) == DTR().evaluate(t, 3.0)
+    t.next_use = 4.0
+    assert p.evaluate(t, 3.0) == (2.0 + 0.5 + 1.0) / (1000 * 4.0)
+    t.next_use = math.inf  # not read again in this step: released first
+    assert p.evaluate(t, 3.0) == 0.0
+    assert p.uses_neighbourhood and p.fallback.name == "dtr"
+
+
+def test_a_bad_plan_setting_is_a_clear_error(managed):
+    with pytest.raises(ValueError, match=r"plan 'always' is not accepted; accepted: 'auto', 'off'"):
+        pymem.enable(budget="64MB", device="cpu", plan="always")
+    assert not pymem.is_enabled()
