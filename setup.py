@@ -119,6 +119,6 @@ setup(
     install_requires=["torch", "numpy"],
     # CuPy sharing the budget (pymem/cupy.py). CuPy's wheels are named by CUDA major version; this
     # extra names CUDA 13's: with CUDA 12, install cupy-cuda12x yourself instead.
-    extras_require={"cupy": ["cupy-cuda13x"]},
+    extras_require={"cupy": ["cupy-cuda13x"], "bench": ["matplotlib"]},
     zip_safe=False,
 )

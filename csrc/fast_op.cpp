@@ -47,7 +47,7 @@ struct RuntimeRefs {
   py::object rt, table, running, lock;
   RuntimeObject* state = nullptr;  // rt's C fields (runtime_state.h); rt keeps it
   LockObject* mutex = nullptr;     // rt.lock (runtime_lock.h); `lock` keeps it
-  py::object sweep, op_info, graph_task_id;
+  py::object sweep, op_info, graph_task_id, release_planned;
   py::object trace_owner;      // rt.trace
   StepTrace* trace = nullptr;  // trace_owner's
   py::object cost_model_type, op_flops, flop_formula;  // cost_model.py's CostModel, op_flops, _flop_formula
@@ -331,6 +331,7 @@ void set_fast_path(py::object runtime) {
     throw py::type_error("pymem: set_fast_path takes a Runtime (a _C.RuntimeBase whose lock is a _C.RuntimeLock)");
   }
   R->sweep = runtime.attr("sweep");
+  R->release_planned = runtime.attr("release_planned");
   R->trace_owner = runtime.attr("trace");
   R->trace = as_step_trace(R->trace_owner);
   std::tie(R->releasable_lo, R->releasable_hi) =
@@ -586,7 +587,8 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       ++index;
     }
   }
-  if (R.trace != nullptr) R.trace->record_op(f.code, cost, rs, made);
+  if (R.trace != nullptr && R.trace->record_op(f.code, cost, rs, made))
+    in_python(R, [&] { R.release_planned(); });  // the step plan releases values after this op
   ++g_stats.fast;
   return true;
 }

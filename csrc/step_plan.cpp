@@ -29,6 +29,44 @@ void StepPlan::build(const StepArrays& s) {
       uses_[static_cast<size_t>(fill[static_cast<size_t>(s.inputs[static_cast<size_t>(i)])]++)] = static_cast<int32_t>(k);
   before_.assign(n + 1, 0.0);
   for (size_t k = 0; k < n; ++k) before_[k + 1] = before_[k] + s.op_cost[k];
+  // Early releases, by position. A value that came back before its next use (a recompute read it)
+  // is needed where the plan sees no use: not released early.
+  std::vector<std::vector<int32_t>> back(m);
+  for (size_t i = 0; i < s.back_at.size(); ++i)
+    if (s.back_value[i] >= 0 && static_cast<size_t>(s.back_value[i]) < m)
+      back[static_cast<size_t>(s.back_value[i])].push_back(s.back_at[i]);
+  std::vector<std::pair<int32_t, int32_t>> due;  // (position, value)
+  for (size_t i = 0; i < s.released_at.size(); ++i) {
+    const int32_t p = s.released_at[i], v = s.released_value[i];
+    if (v < 0 || static_cast<size_t>(v) >= m || !s.value_recomputable[static_cast<size_t>(v)]) continue;
+    const auto first = uses_.begin() + use_start_[static_cast<size_t>(v)];
+    const auto last = uses_.begin() + use_start_[static_cast<size_t>(v) + 1];
+    const auto next = std::lower_bound(first, last, p);  // uses at or after p
+    const int32_t u = next != first ? *(next - 1) : s.value_producer[static_cast<size_t>(v)];
+    // Only across a long stretch (forward activations waiting for backward): nearer uses are left
+    // to pressure, which may then keep the value for a recompute the plan does not see.
+    const double away = next == last ? std::numeric_limits<double>::infinity() : before_[static_cast<size_t>(*next)];
+    const int32_t q = next == last ? static_cast<int32_t>(n) : *next;
+    const auto& b = back[static_cast<size_t>(v)];
+    if (std::any_of(b.begin(), b.end(), [&](int32_t at) { return p <= at && at < q; })) continue;
+    if (u >= 0 && u < p && away - before_[static_cast<size_t>(u)] >= kLongStretch * before_[n]) due.emplace_back(u, v);
+  }
+  std::sort(due.begin(), due.end());
+  due.erase(std::unique(due.begin(), due.end()), due.end());
+  due_start_.assign(n + 1, 0);
+  due_.clear();
+  early_.assign(m, 0);
+  for (const auto& [u, v] : due) {
+    ++due_start_[static_cast<size_t>(u) + 1];
+    due_.push_back(v);
+    early_[static_cast<size_t>(v)] = 1;
+  }
+  for (size_t k = 0; k < n; ++k) due_start_[k + 1] += due_start_[k];
+}
+
+std::pair<const int32_t*, const int32_t*> StepPlan::due_after(size_t k) const {
+  if (k >= op_.size()) return {nullptr, nullptr};
+  return {due_.data() + due_start_[k], due_.data() + due_start_[k + 1]};
 }
 
 bool StepPlan::matches(const StepArrays& s, size_t k) const {

@@ -13,12 +13,21 @@
 // Layout (arrays, built once per step from StepArrays):
 //   use_start[v] .. use_start[v+1]   indices into `uses`: the positions of the ops reading v, ascending
 //   before[k]                        planned seconds of the ops before position k (before[0] = 0)
+//   due_start[k] .. due_start[k+1]   indices into `due`: values to release right after op k
+//
+// Early release: a value the step before released (under pressure) at position p, and reads again
+// only a long stretch later (kLongStretch of the step), is released in this step right after its
+// last use before p (or its producer), where its memory would otherwise
+// sit unused until pressure came: memory is freed in the order the step stops needing it, and the
+// pressure handler (and compaction) has less to do. Nothing reads it between the two positions (the
+// plan says so while the step follows it), so releasing earlier recomputes nothing more.
 //
 // Invariants: built and read under the runtime's lock; a plan is immutable once built.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace pymem {
@@ -42,6 +51,15 @@ class StepPlan {
   // not one of the plan's values.
   double seconds_to_next_use(int32_t v, size_t k) const;
 
+  // Values to release right after op k; whether value v is one at some position.
+  std::pair<const int32_t*, const int32_t*> due_after(size_t k) const;
+  // A value is released early only when its next use is at least this share of the step away.
+  static constexpr double kLongStretch = 0.25;
+
+  bool released_early(int32_t v) const {
+    return v >= 0 && static_cast<size_t>(v) < early_.size() && early_[static_cast<size_t>(v)];
+  }
+
  private:
   std::vector<int32_t> op_;
   std::vector<int64_t> inputs_start_, outputs_start_;
@@ -51,6 +69,9 @@ class StepPlan {
   std::vector<int64_t> use_start_;
   std::vector<int32_t> uses_;
   std::vector<double> before_;
+  std::vector<int64_t> due_start_;
+  std::vector<int32_t> due_;
+  std::vector<uint8_t> early_;
 };
 
 }  // namespace pymem

@@ -39,6 +39,10 @@ py::dict as_dict(const StepArrays& s) {
   d["value_bytes"] = as_array(s.value_bytes);
   d["value_producer"] = as_array(s.value_producer);
   d["value_recomputable"] = as_array(s.value_recomputable);
+  d["released_at"] = as_array(s.released_at);
+  d["released_value"] = as_array(s.released_value);
+  d["back_at"] = as_array(s.back_at);
+  d["back_value"] = as_array(s.back_value);
   return d;
 }
 
@@ -68,14 +72,23 @@ int32_t StepTrace::value_of(RecordObject* r) {
   current_.value_recomputable.push_back(r->recipe != nullptr && r->recipe != Py_None);
   r->trace_step = step();
   r->trace_value = v;
+  watch(r, v);
   return v;
 }
 
-void StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs,
+void StepTrace::watch(RecordObject* r, int32_t v) {
+  if (!following_ || !plan_.released_early(v)) return;
+  PyObject* w = PyWeakref_NewRef(reinterpret_cast<PyObject*>(r), nullptr);
+  if (w == nullptr) throw py::error_already_set();
+  watched_[v] = py::reinterpret_steal<py::object>(w);
+}
+
+bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs,
                           c10::ArrayRef<RecordObject*> made) {
   if (current_.op.size() >= kMaxStepOps) {  // no step mark for this long: a trace of no use
     current_ = StepArrays();
     ++num_dropped_;
+    watched_.clear();
     following_ = false;
   }
   StepArrays& s = current_;
@@ -91,6 +104,7 @@ void StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
     r->trace_step = step_number;
     r->trace_value = v;
     s.outputs.push_back(v);
+    watch(r, v);
   }
   s.op.push_back(code);
   s.op_cost.push_back(cost);
@@ -100,12 +114,46 @@ void StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
     following_ = false;
     ++num_divergences_;
   }
+  if (!following_) return false;
+  const auto [first, last] = plan_.due_after(static_cast<size_t>(k));
+  due_.assign(first, last);
+  return !due_.empty();
+}
+
+void StepTrace::note_release(const RecordObject* r) {
+  if (!planning_ || r->trace_step != step()) return;
+  current_.released_at.push_back(static_cast<int32_t>(current_.op.size()));
+  current_.released_value.push_back(static_cast<int32_t>(r->trace_value));
+}
+
+void StepTrace::note_back(const RecordObject* r) {
+  if (!planning_ || r->trace_step != step()) return;
+  current_.back_at.push_back(static_cast<int32_t>(current_.op.size()));
+  current_.back_value.push_back(static_cast<int32_t>(r->trace_value));
+}
+
+std::vector<PyObject*> StepTrace::take_due() {
+  std::vector<PyObject*> out;
+  for (int32_t v : due_) {
+    auto it = watched_.find(v);
+    if (it == watched_.end()) continue;
+    PyObject* r = PyWeakref_GetObject(it->second.ptr());  // borrowed; None once dead
+    if (r != nullptr && r != Py_None) {
+      Py_INCREF(r);
+      out.push_back(r);
+    }
+    watched_.erase(it);
+  }
+  due_.clear();
+  return out;
 }
 
 void StepTrace::end_step() {
   last_ = std::move(current_);
   current_ = StepArrays();
   ++num_steps_;
+  watched_.clear();
+  due_.clear();
   if (planning_) plan_.build(last_);
   following_ = planning_ && !plan_.empty();
 }
@@ -148,10 +196,35 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       .def(
           "record",
           [](StepTrace& t, int32_t code, double cost, py::handle inputs, py::handle made) {
-            t.record_op(code, cost, records_of(inputs), records_of(made));
+            return t.record_op(code, cost, records_of(inputs), records_of(made));
           },
           py::arg("code"), py::arg("cost"), py::arg("inputs"), py::arg("made"),
-          "One op execution: its code (op_code), cost, input records (None: unmanaged) and the records it made.")
+          "One op execution: its code (op_code), cost, input records (None: unmanaged) and the records it made. "
+          "True when the plan releases values after it (take_due).")
+      .def(
+          "note_release",
+          [](StepTrace& t, py::handle record) {
+            const RecordObject* r = as_record(record.ptr());
+            if (r == nullptr) throw py::type_error("pymem: StepTrace.note_release takes a Record");
+            t.note_release(r);
+          },
+          py::arg("record"), "While planning: the record's value leaves memory now.")
+      .def(
+          "note_back",
+          [](StepTrace& t, py::handle record) {
+            const RecordObject* r = as_record(record.ptr());
+            if (r == nullptr) throw py::type_error("pymem: StepTrace.note_back takes a Record");
+            t.note_back(r);
+          },
+          py::arg("record"), "While planning: the record's value is back in memory now.")
+      .def(
+          "take_due",
+          [](StepTrace& t) {
+            py::list out;
+            for (PyObject* r : t.take_due()) out.append(py::reinterpret_steal<py::object>(r));
+            return out;
+          },
+          "The live records of the values the plan releases after the op just booked.")
       .def("end_step", &StepTrace::end_step, "The current step is complete.")
       .def_property_readonly("num_steps", &StepTrace::num_steps)
       .def_property_readonly("num_dropped", &StepTrace::num_dropped)

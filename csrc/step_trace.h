@@ -20,6 +20,11 @@
 //                value_recomputable[v]  1 if it got a recipe (it can be evicted and recomputed);
 //                                0: a leaf (gradients, optimizer writes, the step's inputs)
 // A value's uses are the ops whose inputs list it (forward and backward alike).
+//   releases:    released_at[i], released_value[i]   while planning: value released_value[i] left
+//                memory (evicted or offloaded) while op released_at[i] ran (or after it, when the
+//                plan released it there); what the next step's plan releases early (step_plan.h)
+//                back_at[i], back_value[i]   value back_value[i] came back (recomputed or copied)
+//                while op back_at[i] ran
 //
 // A step of more than kMaxStepOps ops is dropped (recording starts over), so memory stays bounded
 // where no step is ever marked.
@@ -36,6 +41,7 @@
 
 #include <cstdint>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace pymem {
@@ -52,13 +58,18 @@ struct StepArrays {
   std::vector<int64_t> value_bytes;
   std::vector<int32_t> value_producer;
   std::vector<uint8_t> value_recomputable;
+  std::vector<int32_t> released_at;
+  std::vector<int32_t> released_value;
+  std::vector<int32_t> back_at;
+  std::vector<int32_t> back_value;
 };
 
 class StepTrace {
  public:
   // One op execution: its inputs' records (null: an unmanaged tensor, left out) and the records it
   // made (fresh outputs, and written values that became new records).
-  void record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs, c10::ArrayRef<RecordObject*> made);
+  // True when the plan releases values after this op: take_due() gives their records.
+  bool record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs, c10::ArrayRef<RecordObject*> made);
   // The current step is complete: it becomes the last step, and a new one starts (planned from it
   // when planning).
   void end_step();
@@ -71,6 +82,11 @@ class StepTrace {
   // Planned seconds until r's value is next read in this step (+infinity: not again in this step);
   // negative when the plan cannot say (not following, or r's value not seen in this step).
   double seconds_to_next_use(const RecordObject* r) const;
+  // While planning: r's value leaves memory now (the plan of the next step releases it early).
+  void note_release(const RecordObject* r);
+  void note_back(const RecordObject* r);  // and back in memory now
+  // The live records of the values the plan releases after the op just booked (new references).
+  std::vector<PyObject*> take_due();
 
   // A step longer than this is dropped and recording starts over: a program that never marks a
   // step (an inference loop) keeps at most this many ops (about 60 MB).
@@ -84,11 +100,14 @@ class StepTrace {
   // The current step's number, from 1 (a record's trace_step starts at 0: seen in no step).
   int64_t step() const { return num_steps_ + num_dropped_ + 1; }
   int32_t value_of(RecordObject* r);  // r's index in the current step, given on first sight
+  void watch(RecordObject* r, int32_t v);  // keeps a weakref to r if the plan releases v early
   StepArrays current_, last_;
   StepPlan plan_;
   bool planning_ = false;
   bool following_ = false;
   int64_t num_divergences_ = 0;
+  std::unordered_map<int32_t, pybind11::object> watched_;  // value -> weakref to its record, this step
+  std::vector<int32_t> due_;  // values due for release after the op just booked
   int64_t num_steps_ = 0;
   int64_t num_dropped_ = 0;
 };

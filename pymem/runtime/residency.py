@@ -48,6 +48,8 @@ class Residency:
         so, else evicted (it stays recomputable)."""
         cached = self.cache.get(r)
         s = cached[0] if cached is not None else r.sref
+        if self.plan is not None:
+            self.plan.note_release(r)  # the next step's plan releases it early (csrc/step_plan.h)
         swap = self.swap
         offload = swap is not None and swap.wants_offload(r)
         if offload:
@@ -85,6 +87,8 @@ class Residency:
     def bring_back(self, r: Record, tensor, now: float, how: str = "rematerialize") -> None:
         """r's value is in ``tensor`` (recomputed, or copied back): moved into r's own storage if a
         tensor still holds it, else kept in the cache for the recipes that read it."""
+        if self.plan is not None:
+            self.plan.note_back(r)  # a recompute's input back early: the plan does not release it early
         sref = r.sref
         if sref is not None and r.evicted and sref.alive:
             sref.adopt(tensor)

@@ -106,6 +106,16 @@ def _unlist(running: List[list], entry: list) -> None:
             return
 
 
+def _has_evicted_reader(r: Record) -> bool:
+    """A recompute of an evicted reader would read r: the plan, which sees ops and not recomputes,
+    cannot say r is unused until its planned release."""
+    for w in r.children:
+        c = w()
+        if c is not None and c.evicted and c.host is None:
+            return True
+    return False
+
+
 class Runtime(_C.RuntimeBase):
     """State of one ``pymem.enable``: arena, records, policy, statistics. The fields every op
     touches (clock, num_ops, active, no_recipes, cost_model, swap) are C members of the base
@@ -176,6 +186,7 @@ class Runtime(_C.RuntimeBase):
         self.num_invalidations = 0
         self.num_leaf_copies = 0  # overwritten leaves kept aside for their dependents' recipes
         self.num_orphaned_leaves = 0  # leaves freed when only recipes held them (their readers made leaves)
+        self.num_planned_releases = 0  # values the step plan released right after their last use
         # > 0: ops get no recipes (an optimizer's step() runs, optimizer_steps.py; pymem.no_recompute)
         self.no_recipes = 0
         self.num_retries = 0
@@ -548,7 +559,8 @@ class Runtime(_C.RuntimeBase):
         elif out.__class__ is tuple or out.__class__ is list:
             outs = remat._flat(out)
         else:
-            self.trace.record(info.code, cost, recs, made)
+            if self.trace.record(info.code, cost, recs, made):
+                self.release_planned()
             return out
         for i, o in enumerate(outs):
             if not isinstance(o, _Tensor) or not on_device(o):
@@ -572,8 +584,19 @@ class Runtime(_C.RuntimeBase):
                 self.pin_for_good(new, "collective")
             if recipe is not None:
                 self._link(recs, new)
-        self.trace.record(info.code, cost, recs, made)
+        if self.trace.record(info.code, cost, recs, made):
+            self.release_planned()
         return out
+
+    def release_planned(self) -> None:
+        """The step plan releases values after the op just booked (csrc/step_plan.h: the values the
+        step before released under pressure, now right after their last use before that). Under the
+        lock, as run_op."""
+        for r in self.trace.take_due():
+            if r.recipe is not None and r.locks == 0 and r.waits == 0 and not r.pins and r.in_arena and \
+                    self.residency.is_available(r) and r not in self.cache and not _has_evicted_reader(r):
+                self.residency.release(r)
+                self.num_planned_releases += 1
 
     def _kernel(self, func, args, kwargs):
         """The op itself, with the runtime's lock released so that other threads' ops proceed. Its
@@ -711,6 +734,7 @@ class Runtime(_C.RuntimeBase):
             "num_leaf_copies": self.num_leaf_copies,
             "num_orphaned_leaves": self.num_orphaned_leaves,
             "plan_hits": self.pressure.num_planned,
+            "num_planned_releases": self.num_planned_releases,
             "plan_divergences": self.trace.num_divergences,
             "num_records": len(self.table),
             "num_pinned_storages": sum(1 for r in self.table.values() if r.pins),

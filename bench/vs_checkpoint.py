@@ -1,0 +1,287 @@
+"""pymem against hand-placed checkpointing at equal memory, with the step plan on and off (issue 13).
+
+    python bench/vs_checkpoint.py [--models transformer,deep,cnn] [--steps 3] [--warmup 3]
+                                  [--ratios 0.5,0.3,0.2] [--json FILE] [--plot FILE.png] [--quick]
+
+For each model, in one process:
+  1. peaks, all measured the same way (every CPU tensor byte: an 8 GiB lazily mapped arena with no
+     small region installed as the CPU allocator): unmanaged; `torch.utils.checkpoint` around every
+     block (`use_reentrant=False`); selective activation checkpointing around every block
+     (`create_selective_checkpoint_contexts`, matmul and attention outputs saved, the rest
+     recomputed);
+  2. timed blocks (warmup steps, then --steps timed steps; median step time), each between two
+     unmanaged blocks: checkpointing, selective checkpointing, and pymem (plan "off" and "auto") at
+     the checkpointed peak, at the selective peak, and at each --ratios share of the unmanaged peak.
+     The plan needs two finished steps to follow one, so --warmup is at least 3.
+slowdown = median step / mean of the unmanaged medians just before and after. For pymem also the
+recompute seconds per step (`remat_seconds`, measured), evictions and compaction bytes moved per
+step, and plan_hits; forward_s is the unmanaged forward pass (autograd on), the unit of "recompute
+at most half a forward". A budget pymem cannot meet (OutOfBudgetError) is reported infeasible.
+
+Targets (issue 13): at the checkpoint-every-block peak, pymem's slowdown <= 0.9x checkpointing's and
+its recompute per step <= half a forward; at 0.5 of the unmanaged peak <= 1.10x; at 0.3 <= 1.25x;
+compaction moves <= 10% of the budget per step at 0.3.
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see remat_bench.py
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "bench"))
+import pymem  # noqa: E402
+from pymem.demo_models import TinyGPT  # noqa: E402
+from remat_bench import SmallResNet  # noqa: E402
+
+MiB = 2 ** 20
+aten = torch.ops.aten
+SAVED = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.convolution.default,
+         aten._scaled_dot_product_flash_attention_for_cpu.default,
+         aten._scaled_dot_product_efficient_attention.default, aten._scaled_dot_product_flash_attention.default}
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE if op in SAVED else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Checkpointed(nn.Module):
+    """One block under torch.utils.checkpoint: everything recomputed ("full"), or the matmuls saved
+    ("selective")."""
+
+    def __init__(self, block, selective):
+        super().__init__()
+        self.block, self.selective = block, selective
+
+    def forward(self, x):
+        if self.selective:
+            return checkpoint(self.block, x, use_reentrant=False,
+                              context_fn=lambda: create_selective_checkpoint_contexts(_save_matmuls))
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+MODELS = {  # name -> (kind, sizes); --quick halves the batch
+    "transformer": ("gpt", dict(vocab=512, d=128, heads=4, layers=4, seq=256, batch=16)),
+    "deep": ("gpt", dict(vocab=512, d=128, heads=4, layers=8, seq=256, batch=16)),
+    "cnn": ("cnn", dict(width=24, blocks=2, size=64, batch=32)),
+}
+
+
+def make(name, mode, quick, timings):
+    """step() -> loss: one Adam step of model `name` with its blocks as `mode` says ("plain",
+    "checkpoint", "selective"); the forward pass's seconds are appended to `timings`."""
+    kind, s = MODELS[name]
+    batch = max(2, s["batch"] // 2) if quick else s["batch"]
+    torch.manual_seed(0)
+    if kind == "gpt":
+        model = TinyGPT(vocab=s["vocab"], d=s["d"], heads=s["heads"], layers=s["layers"], seq=s["seq"])
+        blocks = model.blocks
+        data = torch.randint(0, s["vocab"], (batch, s["seq"] + 1))
+
+        def loss_of():
+            logits = model(data[:, :-1])
+            return nn.functional.cross_entropy(logits.reshape(-1, s["vocab"]), data[:, 1:].reshape(-1))
+    else:
+        model = SmallResNet(width=s["width"], blocks=s["blocks"])
+        blocks = model.layers
+        x, y = torch.randn(batch, 3, s["size"], s["size"]), torch.randint(0, 10, (batch,))
+
+        def loss_of():
+            return nn.functional.cross_entropy(model(x), y)
+    if mode != "plain":
+        for i in range(len(blocks)):
+            blocks[i] = Checkpointed(blocks[i], mode == "selective")
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        t0 = time.perf_counter()
+        loss = loss_of()
+        timings.append(time.perf_counter() - t0)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def peak_of(name, mode, quick, steps):
+    arena = pymem.Arena(8 << 30, small_threshold=0)
+    pymem.install_cpu_hook(arena)
+    try:
+        step = make(name, mode, quick, [])
+        for _ in range(steps):
+            step()
+        peak = arena.stats()["allocated_bytes.peak"]
+    finally:
+        pymem.uninstall_cpu_hook()
+    del step
+    gc.collect()
+    return peak
+
+
+def timed(step, warmup, steps, show):
+    times = []
+    for i in range(warmup + steps):
+        t0 = time.perf_counter()
+        step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        show(i + 1, warmup + steps)
+    return statistics.median(times)
+
+
+class Progress:
+    def __init__(self, total):
+        self.total, self.done = total, 0
+
+    def start(self, what):
+        self.done += 1
+        self.what = f"[{self.done}/{self.total}] {what}"
+
+    def __call__(self, i, n):
+        sys.stderr.write(f"\r{self.what}: step {i}/{n}   ")
+        sys.stderr.flush()
+        if i == n:
+            sys.stderr.write("\n")
+
+
+def unmanaged(name, a, bar, forward=None):
+    bar.start(f"{name} unmanaged")
+    fw = []
+    t = timed(make(name, "plain", a.quick, fw), a.warmup, a.steps, bar)
+    if forward is not None:
+        forward.append(statistics.median(fw[a.warmup:]))
+    gc.collect()
+    return t
+
+
+def bench_model(name, a, bar):
+    peaks = {mode: peak_of(name, mode, a.quick, 2) for mode in ("plain", "checkpoint", "selective")}
+    forward = []
+    base = [unmanaged(name, a, bar, forward)]
+    runs = []
+
+    def bracket(entry, median):
+        base.append(unmanaged(name, a, bar))
+        entry["step_s"] = median
+        entry["slowdown"] = median / ((base[-2] + base[-1]) / 2)
+        runs.append(entry)
+
+    for mode in ("checkpoint", "selective"):
+        bar.start(f"{name} {mode}")
+        bracket({"config": mode, "peak_share": peaks[mode] / peaks["plain"]},
+                timed(make(name, mode, a.quick, []), a.warmup, a.steps, bar))
+    budgets = [("at checkpoint peak", peaks["checkpoint"]), ("at selective peak", peaks["selective"])]
+    budgets += [(f"at {r}", int(r * peaks["plain"])) for r in a.ratios]
+    for label, budget in budgets:
+        budget -= budget % 512
+        for plan in ("off", "auto"):
+            bar.start(f"{name} pymem plan={plan} {label}")
+            entry = {"config": f"pymem plan={plan}", "budget": label, "budget_bytes": budget,
+                     "peak_share": budget / peaks["plain"], "plan": plan}
+            pymem.enable(budget, device="cpu", plan=plan)
+            try:
+                step = make(name, "plain", a.quick, [])
+                median = timed(step, a.warmup, a.steps, bar)
+                s = pymem.memory_stats()
+            except pymem.OutOfBudgetError as e:
+                sys.stderr.write("\n")
+                entry.update(feasible=False, error=str(e)[:200])
+                runs.append(entry)
+                continue
+            finally:
+                pymem.disable()
+                step = None
+                gc.collect()
+            n = a.warmup + a.steps
+            entry.update(feasible=True, managed_peak_bytes=s["allocated_bytes.peak"],
+                         remat_seconds_per_step=s["remat_seconds"] / n, evictions_per_step=s["num_evictions"] / n,
+                         moved_bytes_per_step=s.get("moved_bytes", 0) / n, plan_hits=s["plan_hits"],
+                         plan_divergences=s["plan_divergences"])
+            bracket(entry, median)
+    return {"peaks": peaks, "forward_s": forward[0], "unmanaged_step_s": base, "runs": runs}
+
+
+def report(name, d):
+    print(f"\n{name}: unmanaged peak {d['peaks']['plain'] / MiB:.1f} MiB, step {statistics.median(d['unmanaged_step_s']):.3f} s,"
+          f" forward {d['forward_s']:.3f} s")
+    print(f"  {'config':<18} {'budget':<20} {'peak':>6} {'slowdown':>9} {'remat/step':>11} {'moved/step':>11} {'hits':>5}")
+    for r in d["runs"]:
+        if r.get("feasible") is False:
+            print(f"  {r['config']:<18} {r.get('budget', ''):<20} {r['peak_share']:>6.2f} {'infeasible':>9}")
+            continue
+        remat = f"{r['remat_seconds_per_step']:.3f} s" if "remat_seconds_per_step" in r else "-"
+        moved = f"{r['moved_bytes_per_step'] / MiB:.1f} MiB" if "moved_bytes_per_step" in r else "-"
+        print(f"  {r['config']:<18} {r.get('budget', ''):<20} {r['peak_share']:>6.2f} {r['slowdown']:>8.2f}x "
+              f"{remat:>11} {moved:>11} {r.get('plan_hits', ''):>5}")
+
+
+def plot(results, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(5 * len(results), 4), squeeze=False)
+    for ax, (name, d) in zip(axes[0], results.items()):
+        for config, marker in (("checkpoint", "s"), ("selective", "D"), ("pymem plan=off", "o"), ("pymem plan=auto", "^")):
+            pts = sorted((r["peak_share"], r["slowdown"]) for r in d["runs"] if r["config"] == config and "slowdown" in r)
+            if pts:
+                ax.plot(*zip(*pts), marker=marker, label=config, linestyle="-" if config.startswith("pymem") else "none")
+        ax.set_title(name)
+        ax.set_xlabel("peak memory / unmanaged peak")
+        ax.set_ylabel("step time / unmanaged")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="transformer,deep,cnn")
+    ap.add_argument("--ratios", default="0.5,0.3,0.2")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="half the batch")
+    ap.add_argument("--json")
+    ap.add_argument("--plot")
+    a = ap.parse_args()
+    a.ratios = [float(r) for r in a.ratios.split(",") if r]
+    if a.warmup < 3:
+        ap.error("--warmup must be at least 3: the plan follows from the third step")
+    models = [m for m in a.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {unknown}; accepted: {', '.join(MODELS)}")
+    if a.plot:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            ap.error("--plot needs matplotlib: pip install 'torch-pymem[bench]' (or pip install matplotlib)")
+    torch.set_num_threads(a.threads)
+    per_model = 1 + 2 * 2 + (2 + len(a.ratios)) * 2 * 2
+    bar = Progress(per_model * len(models))
+    results, t0 = {}, time.time()
+    for name in models:
+        results[name] = bench_model(name, a, bar)
+        report(name, results[name])
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"models": results, "config": vars(a), "wall_seconds": time.time() - t0}, f, indent=1)
+    if a.plot:
+        plot(results, a.plot)
+
+
+if __name__ == "__main__":
+    main()
