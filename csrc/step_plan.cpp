@@ -1,8 +1,6 @@
 // step_plan.cpp — next uses from the last step (see step_plan.h).
 #include "step_plan.h"
 
-#include "step_trace.h"
-
 #include <algorithm>
 #include <limits>
 
@@ -10,14 +8,7 @@ namespace pymem {
 
 void StepPlan::build(const StepArrays& s) {
   const size_t n = s.op.size(), m = s.value_bytes.size();
-  op_ = s.op;
-  inputs_start_ = s.inputs_start;
-  outputs_start_ = s.outputs_start;
-  inputs_ = s.inputs;
-  value_bytes_ = s.value_bytes;
-  output_bytes_.clear();
-  output_bytes_.reserve(s.outputs.size());
-  for (int32_t v : s.outputs) output_bytes_.push_back(s.value_bytes[static_cast<size_t>(v)]);
+  step_ = s;
   // Uses by value, by counting (positions come out ascending: ops are walked in order).
   use_start_.assign(m + 1, 0);
   for (int32_t v : s.inputs) ++use_start_[static_cast<size_t>(v) + 1];
@@ -65,34 +56,37 @@ void StepPlan::build(const StepArrays& s) {
 }
 
 std::pair<const int32_t*, const int32_t*> StepPlan::due_after(size_t k) const {
-  if (k >= op_.size()) return {nullptr, nullptr};
+  if (k >= step_.op.size()) return {nullptr, nullptr};
   return {due_.data() + due_start_[k], due_.data() + due_start_[k + 1]};
 }
 
 bool StepPlan::matches(const StepArrays& s, size_t k) const {
-  if (k >= op_.size() || s.op[k] != op_[k]) return false;
-  const auto ins = [](const std::vector<int64_t>& start, size_t k) { return std::make_pair(start[k], start[k + 1]); };
-  const auto [a0, a1] = ins(s.inputs_start, k);
-  const auto [b0, b1] = ins(inputs_start_, k);
-  if (a1 - a0 != b1 - b0 || !std::equal(s.inputs.begin() + a0, s.inputs.begin() + a1, inputs_.begin() + b0))
+  const StepArrays& p = step_;
+  if (k >= p.op.size() || s.op[k] != p.op[k]) return false;
+  const auto span = [](const std::vector<int64_t>& start, size_t k) { return std::make_pair(start[k], start[k + 1]); };
+  const auto [a0, a1] = span(s.inputs_start, k);
+  const auto [b0, b1] = span(p.inputs_start, k);
+  if (a1 - a0 != b1 - b0 || !std::equal(s.inputs.begin() + a0, s.inputs.begin() + a1, p.inputs.begin() + b0))
     return false;
-  const auto [c0, c1] = ins(s.outputs_start, k);
-  const auto [d0, d1] = ins(outputs_start_, k);
+  const auto [c0, c1] = span(s.outputs_start, k);
+  const auto [d0, d1] = span(p.outputs_start, k);
   if (c1 - c0 != d1 - d0) return false;
+  const auto bytes = [](const StepArrays& x, int64_t i) {
+    return x.value_bytes[static_cast<size_t>(x.outputs[static_cast<size_t>(i)])];
+  };
   for (int64_t i = 0; i < c1 - c0; ++i)
-    if (s.value_bytes[static_cast<size_t>(s.outputs[static_cast<size_t>(c0 + i)])] !=
-        output_bytes_[static_cast<size_t>(d0 + i)])
-      return false;
+    if (bytes(s, c0 + i) != bytes(p, d0 + i)) return false;
   return true;
 }
 
 double StepPlan::seconds_to_next_use(int32_t v, size_t k) const {
-  if (v < 0 || static_cast<size_t>(v) >= value_bytes_.size()) return -1.0;
+  const size_t n = step_.op.size();
+  if (v < 0 || static_cast<size_t>(v) >= step_.value_bytes.size()) return -1.0;
   const auto first = uses_.begin() + use_start_[static_cast<size_t>(v)];
   const auto last = uses_.begin() + use_start_[static_cast<size_t>(v) + 1];
-  const auto next = std::lower_bound(first, last, static_cast<int32_t>(std::min(k, op_.size())));
+  const auto next = std::lower_bound(first, last, static_cast<int32_t>(std::min(k, n)));
   if (next == last) return std::numeric_limits<double>::infinity();
-  return before_[static_cast<size_t>(*next)] - before_[std::min(k, op_.size())];
+  return before_[static_cast<size_t>(*next)] - before_[std::min(k, n)];
 }
 
 }  // namespace pymem

@@ -25,6 +25,8 @@
 // Invariants: built and read under the runtime's lock; a plan is immutable once built.
 #pragma once
 
+#include "step_arrays.h"
+
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -32,15 +34,11 @@
 
 namespace pymem {
 
-struct StepArrays;  // step_trace.h
-
 class StepPlan {
  public:
   // The plan for a step like `s` (empty when s has no ops).
   void build(const StepArrays& s);
-  bool empty() const { return op_.empty(); }
-  size_t num_ops() const { return op_.size(); }
-  size_t num_values() const { return value_bytes_.size(); }
+  bool empty() const { return step_.op.empty(); }
 
   // Whether the op booked at position k of the step being recorded (its code, input values and
   // fresh outputs' bytes: `s` holds them, just appended) is the op the plan has there.
@@ -61,11 +59,7 @@ class StepPlan {
   }
 
  private:
-  std::vector<int32_t> op_;
-  std::vector<int64_t> inputs_start_, outputs_start_;
-  std::vector<int32_t> inputs_;
-  std::vector<int64_t> output_bytes_;  // per output slot, in order: the value's bytes
-  std::vector<int64_t> value_bytes_;
+  StepArrays step_;  // the step planned from (a copy)
   std::vector<int64_t> use_start_;
   std::vector<int32_t> uses_;
   std::vector<double> before_;

@@ -190,6 +190,12 @@ std::vector<RecordObject*> records_of(py::handle seq) {  // None items stay null
   return out;
 }
 
+const RecordObject* record_arg(py::handle o, const char* method) {
+  const RecordObject* r = as_record(o.ptr());
+  if (r == nullptr) throw py::type_error(std::string("pymem: StepTrace.") + method + " takes a Record");
+  return r;
+}
+
 void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
   py::class_<StepTrace>(m, "StepTrace", "The ops and values of each training step, as arrays (csrc/step_trace.h).")
       .def(py::init<>())
@@ -202,21 +208,11 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           "One op execution: its code (op_code), cost, input records (None: unmanaged) and the records it made. "
           "True when the plan releases values after it (take_due).")
       .def(
-          "note_release",
-          [](StepTrace& t, py::handle record) {
-            const RecordObject* r = as_record(record.ptr());
-            if (r == nullptr) throw py::type_error("pymem: StepTrace.note_release takes a Record");
-            t.note_release(r);
-          },
+          "note_release", [](StepTrace& t, py::handle r) { t.note_release(record_arg(r, "note_release")); },
           py::arg("record"), "While planning: the record's value leaves memory now.")
       .def(
-          "note_back",
-          [](StepTrace& t, py::handle record) {
-            const RecordObject* r = as_record(record.ptr());
-            if (r == nullptr) throw py::type_error("pymem: StepTrace.note_back takes a Record");
-            t.note_back(r);
-          },
-          py::arg("record"), "While planning: the record's value is back in memory now.")
+          "note_back", [](StepTrace& t, py::handle r) { t.note_back(record_arg(r, "note_back")); }, py::arg("record"),
+          "While planning: the record's value is back in memory now.")
       .def(
           "take_due",
           [](StepTrace& t) {
@@ -235,9 +231,7 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       .def(
           "seconds_to_next_use",
           [](const StepTrace& t, py::handle record) -> py::object {
-            const RecordObject* r = as_record(record.ptr());
-            if (r == nullptr) throw py::type_error("pymem: StepTrace.seconds_to_next_use takes a Record");
-            const double s = t.seconds_to_next_use(r);
+            const double s = t.seconds_to_next_use(record_arg(record, "seconds_to_next_use"));
             return s < 0 ? py::object(py::none()) : py::object(py::float_(s));
           },
           py::arg("record"),

@@ -34,6 +34,7 @@
 // is a value made before it, and gets an index when first seen.
 #pragma once
 
+#include "step_arrays.h"
 #include "step_plan.h"
 
 #include <c10/util/ArrayRef.h>
@@ -47,22 +48,6 @@
 namespace pymem {
 
 struct RecordObject;  // record.h
-
-struct StepArrays {
-  std::vector<int32_t> op;
-  std::vector<double> op_cost;
-  std::vector<int64_t> inputs_start{0};
-  std::vector<int32_t> inputs;
-  std::vector<int64_t> outputs_start{0};
-  std::vector<int32_t> outputs;
-  std::vector<int64_t> value_bytes;
-  std::vector<int32_t> value_producer;
-  std::vector<uint8_t> value_recomputable;
-  std::vector<int32_t> released_at;
-  std::vector<int32_t> released_value;
-  std::vector<int32_t> back_at;
-  std::vector<int32_t> back_value;
-};
 
 class StepTrace {
  public:

@@ -11,7 +11,7 @@ interpreter without it pays one environment lookup and never imports torch. The 
   PYMEM_ALLOCATOR ``arena`` (the default) or ``native`` (see ``pymem.enable``)
   PYMEM_OFFLOAD  ``delta`` (the CUDA default), ``never`` (the CPU default) or ``always``
   PYMEM_PREFETCH ``1`` (the default) or ``0``
-  PYMEM_PLAN     ``off`` (the default) or ``auto``
+  PYMEM_PLAN     ``auto`` (the default) or ``off``
   PYMEM_LOG      ``debug``, ``info``, ``warning`` or ``error``: pymem's log to stderr at that level
                  (at ``info``, a summary line when the program ends)
 
@@ -60,7 +60,7 @@ def settings_from_env(environ: Mapping[str, str]) -> Dict[str, object]:
     if prefetch not in ("0", "1"):
         raise ValueError(f"PYMEM_PREFETCH={prefetch!r} is not accepted; accepted: 0, 1")
     settings["prefetch"] = prefetch == "1"
-    plan = environ.get("PYMEM_PLAN", "").strip() or "off"
+    plan = environ.get("PYMEM_PLAN", "").strip() or "auto"
     if plan not in ("auto", "off"):
         raise ValueError(f"PYMEM_PLAN={plan!r} is not accepted; accepted: auto, off")
     settings["plan"] = plan

@@ -31,7 +31,7 @@ def _resolve_device(device: Optional[str]) -> str:
 def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
-           prefetch: bool = True, plan: str = "off") -> Runtime:
+           prefetch: bool = True, plan: str = "auto") -> Runtime:
     """Keep every tensor allocated from now on inside ``budget``, evicting (recomputed on next use)
     or offloading (copied back) tensors under pressure; training gives bitwise the same results. Tensors that exist already stay where
     they are (outside the budget).
@@ -72,11 +72,12 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     prefetch: bring offloaded values back ahead of use, newest first (backward reads activations in
     reverse), into free arena memory only, on a side stream (a worker thread on the CPU). Needs
     ``allocator="arena"``.
-    plan: ``"auto"``: from the second training step on, each step is planned from the one before
-    (the step trace): under pressure the value released is the one whose return costs least per
-    byte and per second until its next use in the step (Belady's rule weighted by cost), where the
-    step still follows its plan; a step that leaves it (other ops, other shapes) falls back to
-    ``policy`` for the rest of that step. ``"off"`` (the default): ``policy`` alone.
+    plan: ``"auto"`` (the default): from the third training step on, each step is planned from the
+    one before (the step trace): under pressure the value released is the one whose return costs
+    least per byte and per second until its next use in the step (Belady's rule weighted by cost),
+    and values the step before released under pressure are released right after their last use
+    before that, where the step still follows its plan; a step that leaves it (other ops, other
+    shapes) falls back to ``policy`` for the rest of that step. ``"off"``: ``policy`` alone.
 
     Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
@@ -110,7 +111,7 @@ def _describe(names, values) -> str:
 def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
-           prefetch: bool = True, plan: str = "off") -> Iterator[Runtime]:
+           prefetch: bool = True, plan: str = "auto") -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
     if _current is not None:

@@ -3,7 +3,7 @@
   pymem demo   train a small GPT-style model on CPU twice, unmanaged and under pymem with a budget
                of 40% of its peak, and show peak, budget, slowdown, evictions and that the losses
                and parameters match bitwise
-  pymem run    pymem run --budget 2GB [--policy P] [--allocator native] [--offload D] [--no-prefetch] [--plan auto]
+  pymem run    pymem run --budget 2GB [--policy P] [--allocator native] [--offload D] [--no-prefetch] [--plan off]
                -- script.py args...: the script under pymem,
                a memory summary at exit
   pymem info   version, build, CUDA library, device memory
@@ -139,8 +139,8 @@ def main(argv=None) -> int:
     r.add_argument("--offload", default=None,
                    help="delta (the CUDA default), never (the CPU default) or always: see pymem.enable")
     r.add_argument("--no-prefetch", action="store_true", help="copy offloaded values back only when used")
-    r.add_argument("--plan", default="off", choices=("auto", "off"),
-                   help="auto: plan each training step from the one before (see pymem.enable)")
+    r.add_argument("--plan", default="auto", choices=("auto", "off"),
+                   help="auto (the default): plan each training step from the one before; off: the policy alone (see pymem.enable)")
     r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
     r.set_defaults(fn=cmd_run)
     i = sub.add_parser("info", help="version, build, CUDA library, device memory")

@@ -77,9 +77,9 @@ def test_malformed_variable_stops_the_program_before_it_starts(var, value, expec
 def test_settings_from_env_accepts_every_budget_form_and_defaults():
     s = _startup.settings_from_env({"PYMEM_BUDGET": "1.5GiB"})
     assert s == {"budget": parse_budget("1.5GiB"), "policy": "dtr", "device": None, "allocator": None,
-                 "offload": None, "prefetch": True, "plan": "off", "log": None}
+                 "offload": None, "prefetch": True, "plan": "auto", "log": None}
     s = _startup.settings_from_env({"PYMEM_BUDGET": "10%", "PYMEM_DEVICE": "cpu", "PYMEM_POLICY": "coop",
                                     "PYMEM_ALLOCATOR": "native", "PYMEM_LOG": "DEBUG", "PYMEM_OFFLOAD": "always",
-                                    "PYMEM_PREFETCH": "0", "PYMEM_PLAN": "auto"})
+                                    "PYMEM_PREFETCH": "0", "PYMEM_PLAN": "off"})
     assert s == {"budget": parse_budget("10%", "cpu"), "policy": "coop", "device": "cpu", "allocator": "native",
-                 "offload": "always", "prefetch": False, "plan": "auto", "log": "debug"}
+                 "offload": "always", "prefetch": False, "plan": "off", "log": "debug"}

@@ -115,7 +115,7 @@ def test_planned_wraps_the_policy_where_the_plan_cannot_say():
     assert p.evaluate(t, 3.0) == (2.0 + 0.5 + 1.0) / (1000 * 4.0)
     t.next_use = math.inf  # not read again in this step: released first
     assert p.evaluate(t, 3.0) == 0.0
-    assert p.uses_neighbourhood and p.fallback.name == "dtr"
+    assert p.uses_neighbourhood and p.name == p.fallback.name == "dtr"
 
 
 def test_a_bad_plan_setting_is_a_clear_error(managed):

@@ -23,6 +23,7 @@ class Planned(Policy):
     def __init__(self, fallback: Policy) -> None:
         self.fallback = fallback
         self.uses_neighbourhood = fallback.uses_neighbourhood
+        self.name = fallback.name  # the policy the program chose, planned
 
     def evaluate(self, t: TensorView, now: float) -> float:
         d = t.next_use

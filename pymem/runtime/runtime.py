@@ -123,7 +123,7 @@ class Runtime(_C.RuntimeBase):
 
     def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
                  sampling: bool = False, cost=None, hook=None, offload=None, prefetch: bool = True,
-                 link_bandwidth: Optional[float] = None, plan: str = "off") -> None:
+                 link_bandwidth: Optional[float] = None, plan: str = "auto") -> None:
         """``hook``: how the arena becomes PyTorch's allocator (``hooks.py``); by default the CPU
         hook on the CPU and libpymem_cuda.so on CUDA. ``offload``: a director's name
         (``pymem.policies.director_names()``) or a Director; default ``"delta"`` on CUDA and

@@ -36,7 +36,7 @@ class Settings:
     cost: Union[str, CostModel]       # "measured", "estimate", or fixed rates
     link_bandwidth: Optional[float]   # bytes/s of a host copy; None: timed once per process
     intercept: str                    # one of INTERCEPTS: how ops reach the runtime
-    plan: str = "off"                 # one of PLANS
+    plan: str = "auto"                # one of PLANS
 
     @property
     def on_cuda(self) -> bool:
@@ -63,7 +63,7 @@ def check_device(device, allocator: str) -> torch.device:
 
 
 def check_choices(policy="dtr", allocator: str = "arena", sampling: bool = False, cost=None, offload=None,
-                  prefetch: bool = True, link_bandwidth=None, plan: str = "off") -> None:
+                  prefetch: bool = True, link_bandwidth=None, plan: str = "auto") -> None:
     """Every setting but the budget and the device, which need the device looked at (and on CUDA that
     must wait for pymem.enable's check of CUDA's initialisation order): a ValueError that names the
     bad one and what is accepted."""
@@ -104,7 +104,7 @@ def check_intercept() -> str:
 
 
 def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sampling: bool = False,
-          cost=None, offload=None, prefetch: bool = True, link_bandwidth=None, plan: str = "off") -> Settings:
+          cost=None, offload=None, prefetch: bool = True, link_bandwidth=None, plan: str = "auto") -> Settings:
     """Settings from ``pymem.enable``'s arguments (the budget already in bytes), or a ValueError that
     names the bad one and what is accepted. ``policy`` / ``offload``: a name or an instance; ``cost``
     and ``offload`` None: by device (measured and never on the CPU, estimate and delta on CUDA)."""
