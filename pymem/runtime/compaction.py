@@ -170,7 +170,12 @@ def compact_for(rt, request: int) -> bool:
     if chosen is None:
         return False
     seg, moves, victims = chosen
-    keep = [movable[a][1].strong() for a, _ in seg.movable]  # nothing moved may die mid-move
+    keep = []  # nothing moved may die mid-move
+    for a, _ in seg.movable:
+        sref = movable[a][1]
+        if not sref.alive:  # died since the picture (a collection freed it): its block is free, plan again
+            return True
+        keep.append(sref.strong())
     # The plan is a picture of the arena taken under the runtime's lock, but another thread's kernel
     # allocates under the arena's lock alone: it may take a planned destination meanwhile. The arena
     # then refuses the move (ValueError, nothing changed) and the plan is stale: stop there. Every
