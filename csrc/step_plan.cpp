@@ -36,8 +36,8 @@ void StepPlan::build(const StepArrays& s) {
     const int32_t u = next != first ? *(next - 1) : s.value_producer[static_cast<size_t>(v)];
     // Only across a long stretch (forward activations waiting for backward): nearer uses are left
     // to pressure, which may then keep the value for a recompute the plan does not see.
-    const double away = next == last ? std::numeric_limits<double>::infinity() : before_[static_cast<size_t>(*next)];
     const int32_t q = next == last ? static_cast<int32_t>(n) : *next;
+    const double away = next == last ? std::numeric_limits<double>::infinity() : before_[static_cast<size_t>(q)];
     const auto& b = back[static_cast<size_t>(v)];
     if (std::any_of(b.begin(), b.end(), [&](int32_t at) { return p <= at && at < q; })) continue;
     if (u >= 0 && u < p && away - before_[static_cast<size_t>(u)] >= kLongStretch * before_[n]) due.emplace_back(u, v);

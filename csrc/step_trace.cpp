@@ -66,21 +66,23 @@ const std::string& op_name(int32_t code) {
 
 int32_t StepTrace::value_of(RecordObject* r) {
   if (r->trace_step == step()) return static_cast<int32_t>(r->trace_value);
-  const auto v = static_cast<int32_t>(current_.value_bytes.size());
-  current_.value_bytes.push_back(r->nbytes);
-  current_.value_producer.push_back(-1);
-  current_.value_recomputable.push_back(r->recipe != nullptr && r->recipe != Py_None);
-  r->trace_step = step();
-  r->trace_value = v;
-  watch(r, v);
-  return v;
+  return new_value(r, -1);
 }
 
-void StepTrace::watch(RecordObject* r, int32_t v) {
-  if (!following_ || !plan_.released_early(v)) return;
-  PyObject* w = PyWeakref_NewRef(reinterpret_cast<PyObject*>(r), nullptr);
-  if (w == nullptr) throw py::error_already_set();
-  watched_[v] = py::reinterpret_steal<py::object>(w);
+int32_t StepTrace::new_value(RecordObject* r, int32_t producer) {
+  StepArrays& s = current_;
+  const auto v = static_cast<int32_t>(s.value_bytes.size());
+  s.value_bytes.push_back(r->nbytes);
+  s.value_producer.push_back(producer);
+  s.value_recomputable.push_back(r->recipe != nullptr && r->recipe != Py_None);
+  r->trace_step = step();
+  r->trace_value = v;
+  if (following_ && plan_.released_early(v)) {  // the plan releases it early: find it then
+    PyObject* w = PyWeakref_NewRef(reinterpret_cast<PyObject*>(r), nullptr);
+    if (w == nullptr) throw py::error_already_set();
+    watched_[v] = py::reinterpret_steal<py::object>(w);
+  }
+  return v;
 }
 
 bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs,
@@ -92,20 +94,10 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
     following_ = false;
   }
   StepArrays& s = current_;
-  const int64_t step_number = step();
   const auto k = static_cast<int32_t>(s.op.size());
   for (RecordObject* r : inputs)
     if (r != nullptr) s.inputs.push_back(value_of(r));
-  for (RecordObject* r : made) {
-    const auto v = static_cast<int32_t>(s.value_bytes.size());
-    s.value_bytes.push_back(r->nbytes);
-    s.value_producer.push_back(k);
-    s.value_recomputable.push_back(r->recipe != nullptr && r->recipe != Py_None);
-    r->trace_step = step_number;
-    r->trace_value = v;
-    s.outputs.push_back(v);
-    watch(r, v);
-  }
+  for (RecordObject* r : made) s.outputs.push_back(new_value(r, k));
   s.op.push_back(code);
   s.op_cost.push_back(cost);
   s.inputs_start.push_back(static_cast<int64_t>(s.inputs.size()));
@@ -120,28 +112,19 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
   return !due_.empty();
 }
 
-void StepTrace::note_release(const RecordObject* r) {
+void StepTrace::note(const RecordObject* r, std::vector<int32_t>& at, std::vector<int32_t>& value) {
   if (!planning_ || r->trace_step != step()) return;
-  current_.released_at.push_back(static_cast<int32_t>(current_.op.size()));
-  current_.released_value.push_back(static_cast<int32_t>(r->trace_value));
+  at.push_back(static_cast<int32_t>(current_.op.size()));
+  value.push_back(static_cast<int32_t>(r->trace_value));
 }
 
-void StepTrace::note_back(const RecordObject* r) {
-  if (!planning_ || r->trace_step != step()) return;
-  current_.back_at.push_back(static_cast<int32_t>(current_.op.size()));
-  current_.back_value.push_back(static_cast<int32_t>(r->trace_value));
-}
-
-std::vector<PyObject*> StepTrace::take_due() {
-  std::vector<PyObject*> out;
+py::list StepTrace::take_due() {
+  py::list out;
   for (int32_t v : due_) {
     auto it = watched_.find(v);
     if (it == watched_.end()) continue;
     PyObject* r = PyWeakref_GetObject(it->second.ptr());  // borrowed; None once dead
-    if (r != nullptr && r != Py_None) {
-      Py_INCREF(r);
-      out.push_back(r);
-    }
+    if (r != nullptr && r != Py_None) out.append(py::handle(r));
     watched_.erase(it);
   }
   due_.clear();
@@ -213,14 +196,7 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       .def(
           "note_back", [](StepTrace& t, py::handle r) { t.note_back(record_arg(r, "note_back")); }, py::arg("record"),
           "While planning: the record's value is back in memory now.")
-      .def(
-          "take_due",
-          [](StepTrace& t) {
-            py::list out;
-            for (PyObject* r : t.take_due()) out.append(py::reinterpret_steal<py::object>(r));
-            return out;
-          },
-          "The live records of the values the plan releases after the op just booked.")
+      .def("take_due", &StepTrace::take_due, "The live records of the values the plan releases after the op just booked.")
       .def("end_step", &StepTrace::end_step, "The current step is complete.")
       .def_property_readonly("num_steps", &StepTrace::num_steps)
       .def_property_readonly("num_dropped", &StepTrace::num_dropped)

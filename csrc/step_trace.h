@@ -68,10 +68,10 @@ class StepTrace {
   // negative when the plan cannot say (not following, or r's value not seen in this step).
   double seconds_to_next_use(const RecordObject* r) const;
   // While planning: r's value leaves memory now (the plan of the next step releases it early).
-  void note_release(const RecordObject* r);
-  void note_back(const RecordObject* r);  // and back in memory now
-  // The live records of the values the plan releases after the op just booked (new references).
-  std::vector<PyObject*> take_due();
+  void note_release(const RecordObject* r) { note(r, current_.released_at, current_.released_value); }
+  void note_back(const RecordObject* r) { note(r, current_.back_at, current_.back_value); }  // and back now
+  // The live records of the values the plan releases after the op just booked.
+  pybind11::list take_due();
 
   // A step longer than this is dropped and recording starts over: a program that never marks a
   // step (an inference loop) keeps at most this many ops (about 60 MB).
@@ -85,7 +85,10 @@ class StepTrace {
   // The current step's number, from 1 (a record's trace_step starts at 0: seen in no step).
   int64_t step() const { return num_steps_ + num_dropped_ + 1; }
   int32_t value_of(RecordObject* r);  // r's index in the current step, given on first sight
-  void watch(RecordObject* r, int32_t v);  // keeps a weakref to r if the plan releases v early
+  // A new value for r (made by op `producer`, or -1: before the step); a weakref to r is kept when
+  // the plan releases that value early.
+  int32_t new_value(RecordObject* r, int32_t producer);
+  void note(const RecordObject* r, std::vector<int32_t>& at, std::vector<int32_t>& value);
   StepArrays current_, last_;
   StepPlan plan_;
   bool planning_ = false;
