@@ -255,8 +255,7 @@ def step() -> None:
     rt = _current
     if rt is None:
         return
-    with rt.lock:
-        rt.trace.end_step()
+    rt.end_step()
 
 
 def step_trace() -> Optional[dict]:

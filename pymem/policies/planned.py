@@ -4,10 +4,11 @@ A training step repeats, so the step before the one running says when each value
 (csrc/step_plan.h): ``TensorView.next_use``, planned seconds of work until then. The value to release
 is the one whose return costs least per byte and per second it may stay away:
 
-    h = (c + a*) / (m * d)
+    h = (c + e* + a*) / (m * d)
 
-c: the producer's cost, a*: its evicted ancestors' (a recompute redoes them first; Capuchin's MSPS
-with the lineage as it stands after every earlier pick), m: bytes, d: seconds to the next use
+c: the producer's cost, e*: its evicted neighbourhood's (DTR's e*: recomputes that would read it),
+a*: its evicted ancestors' (a recompute redoes them first; Capuchin's MSPS with the lineage as it
+stands after every earlier pick), m: bytes, d: seconds to the next use
 (infinite where the step reads it no more: released first, at no cost). Where the plan cannot say
 (the first step, a step that left its plan, a value made before the step), the fallback policy
 scores the value as it would without a plan.
@@ -29,12 +30,17 @@ class Planned(Policy):
         d = t.next_use
         if d is None:
             return self.fallback.evaluate(t, now)
-        return (t.compute_cost + t.evicted_neighbour_cost + t.evicted_ancestor_cost) / (max(t.nbytes, 1) * max(d, 1e-12))
+        return self._score(t, d)
 
     def block_cost(self, t: TensorView, now: float) -> float:
-        if t.next_use is None:
+        d = t.next_use  # a walk of the lineage (Record.next_use): once per candidate
+        if d is None:
             return self.fallback.block_cost(t, now)
-        return max(self.evaluate(t, now), 0.0) * max(t.nbytes, 1)
+        return max(self._score(t, d), 0.0) * max(t.nbytes, 1)
+
+    @staticmethod
+    def _score(t: TensorView, d: float) -> float:
+        return (t.compute_cost + t.evicted_neighbour_cost + t.evicted_ancestor_cost) / (max(t.nbytes, 1) * max(d, 1e-12))
 
     def __repr__(self) -> str:
         return f"Planned({self.fallback!r})"

@@ -21,8 +21,7 @@ class OptimizerSteps:
 
         def post(optimizer, args, kwargs):
             rt.no_recipes = max(0, rt.no_recipes - 1)
-            with rt.lock:
-                rt.trace.end_step()  # a training step ends with its optimizer's step
+            rt.end_step()  # a training step ends with its optimizer's step
 
         self._handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
 

@@ -13,7 +13,7 @@ value is never needed). All the recipes that read one leaf share one holder tens
 when it is the storage's only holder left, no user tensor needs the value any more (see
 ``remat.release_orphaned_leaf``).
 """
-from typing import Any, List, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import torch
 
@@ -150,6 +150,13 @@ class Record(_C.RecordBase):
         return _next_use(plan, self, 8) if plan is not None else None
 
     # --- graph ---
+    def evicted_readers(self) -> Iterator["Record"]:
+        """The evicted (not offloaded) records whose recompute reads this one."""
+        for w in self.children:
+            c = w()
+            if c is not None and c.evicted and c.host is None:
+                yield c
+
     def neighbour_ids(self) -> List[int]:
         ids = [r.id for r in self.recipe.input_records()] if self.recipe else []
         for w in self.children:
@@ -171,10 +178,8 @@ def _next_use(plan, r: "Record", depth: int) -> Optional[float]:
     d = plan.seconds_to_next_use(r)
     if d is None or depth == 0:
         return d
-    for w in r.children:
-        c = w()
-        if c is not None and c.evicted and c.host is None:
-            dc = _next_use(plan, c, depth - 1)
-            if dc is not None and dc < d:
-                d = dc
+    for c in r.evicted_readers():
+        dc = _next_use(plan, c, depth - 1)
+        if dc is not None and dc < d:
+            d = dc
     return d

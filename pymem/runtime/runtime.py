@@ -106,16 +106,6 @@ def _unlist(running: List[list], entry: list) -> None:
             return
 
 
-def _has_evicted_reader(r: Record) -> bool:
-    """A recompute of an evicted reader would read r: the plan, which sees ops and not recomputes,
-    cannot say r is unused until its planned release."""
-    for w in r.children:
-        c = w()
-        if c is not None and c.evicted and c.host is None:
-            return True
-    return False
-
-
 class Runtime(_C.RuntimeBase):
     """State of one ``pymem.enable``: arena, records, policy, statistics. The fields every op
     touches (clock, num_ops, active, no_recipes, cost_model, swap) are C members of the base
@@ -588,13 +578,19 @@ class Runtime(_C.RuntimeBase):
             self.release_planned()
         return out
 
+    def end_step(self) -> None:
+        """A training step is complete (its optimizer stepped, or ``pymem.step()``): the trace plans
+        the next from it."""
+        with self.lock:
+            self.trace.end_step()
+
     def release_planned(self) -> None:
         """The step plan releases values after the op just booked (csrc/step_plan.h: the values the
         step before released under pressure, now right after their last use before that). Under the
         lock, as run_op."""
         for r in self.trace.take_due():
             if r.recipe is not None and r.locks == 0 and r.waits == 0 and not r.pins and r.in_arena and \
-                    self.residency.is_available(r) and r not in self.cache and not _has_evicted_reader(r):
+                    self.residency.is_available(r) and r not in self.cache and next(r.evicted_readers(), None) is None:
                 self.residency.release(r)
                 self.num_planned_releases += 1
 
