@@ -36,7 +36,7 @@ namespace {
 // (a C string makes a fresh str per call, which never does).
 struct Names {
 #define PYMEM_NAME(n) py::object n = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(#n));
-  PYMEM_NAME(after_op) PYMEM_NAME(in_flight) PYMEM_NAME(offloaded)
+  PYMEM_NAME(after_op) PYMEM_NAME(in_flight) PYMEM_NAME(offloaded) PYMEM_NAME(planned)
 #undef PYMEM_NAME
 };
 Names* N = nullptr;  // made by the first set_fast_path, under the GIL; never freed
@@ -85,11 +85,12 @@ decltype(auto) in_python(const RuntimeRefs& R, F&& call) {
   return call();
 }
 
-// A copy to or from host memory is pending (swap.after_op has work).
+// A copy to or from host memory is pending (swap.after_op has work: swap.py's queues).
 bool swap_busy(const RuntimeObject& S) {
   if (S.swap == nullptr || S.swap == Py_None) return false;
   py::handle swap(S.swap);
-  return PyObject_IsTrue(swap.attr(N->offloaded).ptr()) == 1 || PyObject_IsTrue(swap.attr(N->in_flight).ptr()) == 1;
+  return PyObject_IsTrue(swap.attr(N->offloaded).ptr()) == 1 || PyObject_IsTrue(swap.attr(N->planned).ptr()) == 1 ||
+         PyObject_IsTrue(swap.attr(N->in_flight).ptr()) == 1;
 }
 
 // What run_op reads of an op (ops.py's OpInfo), per schema, computed once.
@@ -529,8 +530,6 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   S.clock = now;
   for (RecordObject* r : rs)
     if (r != nullptr) r->last_access = now;
-  if (swap_busy(S))  // the kernel's pressure offloaded something
-    in_python(R, [&] { py::handle(S.swap).attr(N->after_op)(); });
 
   // The recipe the outputs share (run_op: refs, targs, tkw), captured in C++ (recipe.h).
   std::optional<Capture> capture;
@@ -589,6 +588,9 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   }
   if (R.trace != nullptr && R.trace->record_op(f.code, cost, rs, made))
     in_python(R, [&] { R.release_planned(); });  // the step plan releases values after this op
+  // Last: the op is booked, so the plan's position (the prefetch's in-trigger) is the next op's.
+  if (swap_busy(S))  // the kernel's pressure, or the plan, offloaded something
+    in_python(R, [&] { py::handle(S.swap).attr(N->after_op)(); });
   ++g_stats.fast;
   return true;
 }

@@ -79,14 +79,20 @@ bool StepPlan::matches(const StepArrays& s, size_t k) const {
   return true;
 }
 
-double StepPlan::seconds_to_next_use(int32_t v, size_t k) const {
+int64_t StepPlan::next_use_at(int32_t v, size_t k) const {
   const size_t n = step_.op.size();
-  if (v < 0 || static_cast<size_t>(v) >= step_.value_bytes.size()) return -1.0;
+  if (v < 0 || static_cast<size_t>(v) >= step_.value_bytes.size()) return -1;
   const auto first = uses_.begin() + use_start_[static_cast<size_t>(v)];
   const auto last = uses_.begin() + use_start_[static_cast<size_t>(v) + 1];
   const auto next = std::lower_bound(first, last, static_cast<int32_t>(std::min(k, n)));
-  if (next == last) return std::numeric_limits<double>::infinity();
-  return before_[static_cast<size_t>(*next)] - before_[std::min(k, n)];
+  return next == last ? static_cast<int64_t>(n) : *next;
+}
+
+double StepPlan::seconds_to_next_use(int32_t v, size_t k) const {
+  const int64_t q = next_use_at(v, k);
+  if (q < 0) return -1.0;
+  if (static_cast<size_t>(q) == step_.op.size()) return std::numeric_limits<double>::infinity();
+  return before_[static_cast<size_t>(q)] - before_[std::min(k, step_.op.size())];
 }
 
 }  // namespace pymem

@@ -39,6 +39,7 @@ class StepPlan {
   // The plan for a step like `s` (empty when s has no ops).
   void build(const StepArrays& s);
   bool empty() const { return step_.op.empty(); }
+  size_t size() const { return step_.op.size(); }  // ops in the planned step
 
   // Whether the op booked at position k of the step being recorded (its code, input values and
   // fresh outputs' bytes: `s` holds them, just appended) is the op the plan has there.
@@ -48,6 +49,8 @@ class StepPlan {
   // or after k that reads value v; +infinity when none does for the rest of the step; -1 when v is
   // not one of the plan's values.
   double seconds_to_next_use(int32_t v, size_t k) const;
+  // The position of that op (the step's length when none; -1 when v is not one of the plan's values).
+  int64_t next_use_at(int32_t v, size_t k) const;
 
   // Values to release right after op k; whether value v is one at some position.
   std::pair<const int32_t*, const int32_t*> due_after(size_t k) const;

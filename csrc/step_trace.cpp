@@ -6,6 +6,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <limits>
 #include <stdexcept>
 #include <unordered_map>
 
@@ -154,6 +155,11 @@ double StepTrace::seconds_to_next_use(const RecordObject* r) const {
   return plan_.seconds_to_next_use(static_cast<int32_t>(r->trace_value), current_.op.size());
 }
 
+int64_t StepTrace::next_use_at(const RecordObject* r) const {
+  if (!following_ || r->trace_step != step()) return -1;
+  return plan_.next_use_at(static_cast<int32_t>(r->trace_value), current_.op.size());
+}
+
 StepTrace* as_step_trace(py::handle o) {
   if (o.is_none()) return nullptr;
   return &o.cast<StepTrace&>();
@@ -212,6 +218,16 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           },
           py::arg("record"),
           "Planned seconds until the record's value is next read in this step (inf: not again); None: unknown.")
+      .def(
+          "next_use_at",
+          [](const StepTrace& t, py::handle record) -> py::object {
+            const int64_t q = t.next_use_at(record_arg(record, "next_use_at"));
+            if (q < 0) return py::none();
+            if (q >= t.planned_ops()) return py::float_(std::numeric_limits<double>::infinity());
+            return py::int_(q);
+          },
+          py::arg("record"),
+          "The step position of the op that next reads the record's value (inf: none in this step); None: unknown.")
       .def("last_step", [](const StepTrace& t) { return as_dict(t.last()); },
            "The last complete step's arrays (copies; see csrc/step_trace.h for their meaning).");
   m.def("op_code", &op_code, py::arg("name"), "The process-wide code of an op (its str(OpOverload)).");

@@ -67,6 +67,10 @@ class StepTrace {
   // Planned seconds until r's value is next read in this step (+infinity: not again in this step);
   // negative when the plan cannot say (not following, or r's value not seen in this step).
   double seconds_to_next_use(const RecordObject* r) const;
+  // The position in the step of that next read (the plan's length: none); negative when unknown.
+  // Fixed while r's value is away (nothing reads it then), so it orders copies back (swap.py).
+  int64_t next_use_at(const RecordObject* r) const;
+  int64_t planned_ops() const { return static_cast<int64_t>(plan_.size()); }  // the plan's step length
   // While planning: r's value leaves memory now (the plan of the next step releases it early).
   void note_release(const RecordObject* r) { note(r, current_.released_at, current_.released_value); }
   void note_back(const RecordObject* r) { note(r, current_.back_at, current_.back_value); }  // and back now

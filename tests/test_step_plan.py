@@ -137,3 +137,36 @@ def test_values_released_at_their_last_forward_use_come_back_right_in_backward(m
     assert_bitwise_equal("parameters", ref_state, state)
     assert stats["allocated_bytes.peak"] <= budget
     assert stats["num_planned_releases"] > 0 and stats["num_rematerializations"] > 0, stats
+
+
+
+def _three_reads_step(rt, x, hosts):
+    """a, b, c made (positions 0-2), offloaded, one more op (3), then read in the order a, b, c
+    (4-6): the reverse of what newest-first prefetching brings back. ``hosts`` gets their host copies."""
+    a, b, c = x * 2, x * 3, x * 5
+    for name, t in zip("abc", (a, b, c)):
+        if not pymem._C.storage_is_evicted(t):  # the plan may have released it already
+            pymem.evict(t)
+        hosts[name] = rt.table[pymem._C.storage_key(t)].host
+    y = x + 1
+    return [float(t.sum()) for t in (a + y, b + y, c + y)]
+
+
+def test_offloaded_values_come_back_in_the_order_the_plan_reads_them(managed):
+    rt = pymem.enable(budget="64MB", device="cpu", cost=FIXED, plan="auto", offload="always", prefetch=True)
+    rt.swap.headroom = 0
+    x = torch.ones(1 << 14)
+    expected = [float((x * k + (x + 1)).sum()) for k in (2, 3, 5)]
+    started, hosts, start = [], {}, rt.swap.copier.start
+
+    def spy(dst, src):
+        started.append(next((name for name, h in hosts.items() if h is src), "?"))
+        return start(dst, src)
+
+    rt.swap.copier.start = spy
+    for _ in range(4):
+        started.clear()
+        assert _three_reads_step(rt, x, hosts) == expected
+        pymem.step()
+    assert rt.trace.following and pymem.memory_stats()["num_prefetches"] > 0
+    assert started == ["a", "b", "c"]  # the plan's order, each when its read is next

@@ -499,9 +499,6 @@ class Runtime(_C.RuntimeBase):
         for r in recs:
             if r is not None:
                 r.last_access = now
-        swap = self.swap
-        if swap is not None and (swap.offloaded or swap.in_flight):
-            swap.after_op()
 
         refs = targs = tkw = None
         depth = 1  # of the chain of recipes the outputs end, when they get recipes
@@ -549,8 +546,7 @@ class Runtime(_C.RuntimeBase):
         elif out.__class__ is tuple or out.__class__ is list:
             outs = remat._flat(out)
         else:
-            if self.trace.record(info.code, cost, recs, made):
-                self.release_planned()
+            self._booked(info.code, cost, recs, made)
             return out
         for i, o in enumerate(outs):
             if not isinstance(o, _Tensor) or not on_device(o):
@@ -574,15 +570,25 @@ class Runtime(_C.RuntimeBase):
                 self.pin_for_good(new, "collective")
             if recipe is not None:
                 self._link(recs, new)
-        if self.trace.record(info.code, cost, recs, made):
-            self.release_planned()
+        self._booked(info.code, cost, recs, made)
         return out
+
+    def _booked(self, code: int, cost: float, recs: list, made: list) -> None:
+        """The op ran and its outputs have records: the trace books it, the plan releases what it
+        has due, then copies back start (after the booking: the plan's position is the next op's)."""
+        if self.trace.record(code, cost, recs, made):
+            self.release_planned()
+        swap = self.swap
+        if swap is not None and (swap.offloaded or swap.planned or swap.in_flight):
+            swap.after_op()
 
     def end_step(self) -> None:
         """A training step is complete (its optimizer stepped, or ``pymem.step()``): the trace plans
         the next from it."""
         with self.lock:
             self.trace.end_step()
+            if self.swap is not None:
+                self.swap.end_step()
 
     def release_planned(self) -> None:
         """The step plan releases values after the op just booked (csrc/step_plan.h: the values the

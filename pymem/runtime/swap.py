@@ -7,18 +7,25 @@ place, and releasing the value again copies nothing. It goes when no tensor hold
 more (the next sweep: each pressure event starts with one), or when a leaf is written in place. Host copies live outside the budget: host
 buffers on the CPU device (outside the arena), pinned memory on CUDA.
 
-Prefetch (DELTA's prefetcher): the backward pass reads offloaded activations in the reverse order of
-their offload, so after each op the newest offloaded value whose storage is still alive comes back
-first, when the arena's largest free block holds it with ``headroom`` bytes to spare: nothing is
+Prefetch, in the order of next use: while the step follows its plan (step_plan.h), the offloaded
+value the plan reads first comes back first (its position is fixed while it is away, since nothing
+reads it then, so a heap keyed by it stays right), and not before its read is a few copy times
+away (Capuchin's in-trigger: memory the plan freed early is not filled again at once). Values the plan cannot
+place (no plan yet, a step that diverged, no read left in the step) fall back to DELTA's
+prefetcher: the backward pass reads offloaded activations roughly in the reverse order of their
+offload, so the newest whose storage is still alive comes first. Either way a value comes back only
+when the arena's largest free block holds it with ``headroom`` bytes to spare: nothing is
 released for it, and a contiguous ``headroom`` stays free for the ops to come. The
 copy runs beside compute: a worker thread on the CPU device, a side stream on CUDA. The value counts
 as evicted until it is adopted: when its copy is done (checked after each op) or when an op needs it
 (then the op waits for the copy). Under pressure, a copy in flight is the last thing given up.
 """
 import concurrent.futures
+import heapq
+import itertools
 import time
 import weakref
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -29,6 +36,8 @@ from .records import Record
 
 _perf = time.perf_counter
 _PREFETCH_DEPTH = 2  # copies in flight at most
+_LEAD = 3.0  # a planned copy back starts when its value's read is this many copy times away
+_NONE = float("inf")  # StepTrace.next_use_at: no read left in the step
 
 
 class HostMemory:
@@ -128,7 +137,10 @@ class Swapper:
         self.headroom = headroom
         self.host = HostMemory(rt.device)
         self.copier = _CudaCopier(rt.device) if rt.device.type == "cuda" else _CpuCopier()
-        # Offloaded values, oldest first (weak: one nobody needs any more is not brought back).
+        # Offloaded values the plan places: (position of next read, tie-break, weakref), a heap; and
+        # the others, oldest first (weak: one nobody needs any more is not brought back).
+        self.planned: List[Tuple[int, int, weakref.ref]] = []
+        self._ties = itertools.count()
         self.offloaded: List[weakref.ref] = []
         self._prune_at = 4096
         self.in_flight: Dict[Record, tuple] = {}  # record -> (device buffer, copy handle)
@@ -151,9 +163,7 @@ class Swapper:
         self.num_offloads += 1
         self.offloaded_bytes += r.nbytes
         if self.prefetch_enabled:
-            self.offloaded.append(weakref.ref(r))
-            if len(self.offloaded) > self._prune_at:
-                self._prune()
+            self._queue(r)
         if r.host is not None:
             return
         t0 = _perf()
@@ -163,6 +173,24 @@ class Swapper:
         r.host = host
         self.copied_out_bytes += r.nbytes
         self.seconds += _perf() - t0
+
+    def _queue(self, r: Record) -> None:
+        """Queue r's copy back: by its planned next read where the plan places one in this step."""
+        plan = self.rt.residency.plan
+        at = plan.next_use_at(r) if plan is not None else None
+        if at is not None and at != _NONE:
+            heapq.heappush(self.planned, (at, next(self._ties), weakref.ref(r)))
+            return
+        self.offloaded.append(weakref.ref(r))
+        if len(self.offloaded) > self._prune_at:
+            self._prune()
+
+    def end_step(self) -> None:
+        """The plan's positions were this step's: what is still queued by them waits, newest last,
+        with the values the plan could not place."""
+        if self.planned:
+            self.offloaded.extend(w for _, _, w in sorted(self.planned))
+            self.planned.clear()
 
     def _prune(self) -> None:
         """Drop entries no prefetch will take (dead, back already, storage gone): prefetch only
@@ -206,16 +234,23 @@ class Swapper:
         if not self.prefetch_enabled:
             return
         arena = self.rt.arena
-        stack = self.offloaded
-        while stack and len(self.in_flight) < _PREFETCH_DEPTH:
-            r = stack[-1]()
+        planned, stack = self.planned, self.offloaded
+        plan = self.rt.residency.plan
+        while (planned or stack) and len(self.in_flight) < _PREFETCH_DEPTH:
+            r = planned[0][2]() if planned else stack[-1]()
             if r is None or not self._worth_prefetching(r):
-                stack.pop()
+                heapq.heappop(planned) if planned else stack.pop()
                 continue
+            if planned and plan is not None:
+                # In-trigger: not before its read is a few copies away (a value the plan released
+                # early stays away until then); None: the step left its plan, bring it when it fits.
+                d = plan.seconds_to_next_use(r)
+                if d is not None and d > _LEAD * r.swap_cost:
+                    return
             # Best fit takes the largest free block last: a contiguous headroom stays either way.
             if arena.largest_free_block < r.nbytes + self.headroom:
                 return
-            stack.pop()
+            heapq.heappop(planned) if planned else stack.pop()
             # Fits: no pressure, nothing released for it. Placed with the cheap blocks: a host copy
             # makes it free to release, and long-lived blocks should not settle around it.
             previous = _C.set_allocation_class("cheap")
@@ -249,7 +284,7 @@ class Swapper:
         if self.rt.device.type == "cuda":
             torch.cuda.current_stream(self.rt.device).synchronize()
         self.num_prefetches_cancelled += 1
-        self.offloaded.append(weakref.ref(r))
+        self._queue(r)
         del buf
         return r.nbytes
 
