@@ -53,7 +53,7 @@ extern "C" {
 
 /* Bumped whenever a declaration below changes; the ctypes wrapper refuses a library it does not
  * know. 2: block providers. */
-#define PYMEM_CUDA_ABI_VERSION 2
+#define PYMEM_CUDA_ABI_VERSION 3
 
 enum {
   PYMEM_CUDA_OK = 0,

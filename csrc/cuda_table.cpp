@@ -57,6 +57,8 @@ PYMEM_CHECK_ENTRY(event_record, cudaEventRecord);
 PYMEM_CHECK_ENTRY(event_query, cudaEventQuery);
 PYMEM_CHECK_ENTRY(event_synchronize, cudaEventSynchronize);
 PYMEM_CHECK_ENTRY(stream_wait_event, cudaStreamWaitEvent);
+PYMEM_CHECK_ENTRY(host_alloc, cudaHostAlloc);
+PYMEM_CHECK_ENTRY(free_host, cudaFreeHost);
 #undef PYMEM_CHECK_ENTRY
 #endif
 
@@ -114,7 +116,8 @@ const pymem_cuda_table* load_cuda_runtime(std::string* error) {
         bind(h, "cudaEventRecord", &t.event_record, &msg) &&
         bind(h, "cudaEventQuery", &t.event_query, &msg) &&
         bind(h, "cudaEventSynchronize", &t.event_synchronize, &msg) &&
-        bind(h, "cudaStreamWaitEvent", &t.stream_wait_event, &msg)) {
+        bind(h, "cudaStreamWaitEvent", &t.stream_wait_event, &msg) &&
+        bind(h, "cudaHostAlloc", &t.host_alloc, &msg) && bind(h, "cudaFreeHost", &t.free_host, &msg)) {
       table = t;
       loaded = true;
       return &table;

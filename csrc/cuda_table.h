@@ -26,6 +26,8 @@ typedef struct pymem_cuda_table {
   int (*event_query)(void* event);                         /* cudaEventQuery */
   int (*event_synchronize)(void* event);                   /* cudaEventSynchronize */
   int (*stream_wait_event)(void* stream, void* event, unsigned flags); /* cudaStreamWaitEvent */
+  int (*host_alloc)(void** ptr, size_t bytes, unsigned flags); /* cudaHostAlloc: the host pool's chunks */
+  int (*free_host)(void* ptr);                             /* cudaFreeHost */
 } pymem_cuda_table;
 
 #ifdef __cplusplus

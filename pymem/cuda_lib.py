@@ -18,7 +18,7 @@ __all__ = ["library_path", "load", "pluggable_allocator", "CudaLib", "CudaTable"
            "CUDA_ERROR_NOT_READY"]
 
 LIB_NAME = "libpymem_cuda.so"
-ABI_VERSION = 2  # PYMEM_CUDA_ABI_VERSION
+ABI_VERSION = 3  # PYMEM_CUDA_ABI_VERSION
 CUDA_ERROR_NOT_READY = 600  # PYMEM_CUDA_ERROR_NOT_READY (cudaErrorNotReady)
 
 # Error codes (PYMEM_CUDA_E_*).
@@ -54,6 +54,8 @@ EVENT_RECORD_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_
 EVENT_QUERY_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 EVENT_SYNCHRONIZE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 STREAM_WAIT_EVENT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
+HOST_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
+FREE_HOST_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 
 
 class CudaTable(ctypes.Structure):
@@ -74,6 +76,8 @@ class CudaTable(ctypes.Structure):
         ("event_query", EVENT_QUERY_FN),
         ("event_synchronize", EVENT_SYNCHRONIZE_FN),
         ("stream_wait_event", STREAM_WAIT_EVENT_FN),
+        ("host_alloc", HOST_ALLOC_FN),
+        ("free_host", FREE_HOST_FN),
     ]
 
 

@@ -26,6 +26,10 @@ class FakeCuda:
         self.created = 0
         self.log = []       # ("record", ev, stream) ("wait", stream, ev) ("sync", ev) ("destroy", ev)
         self.fail_malloc = 0
+        self.host_buffers = {}  # cudaHostAlloc: address -> ctypes buffer
+        self.host_allocs = []
+        self.host_frees = []
+        self.fail_host_alloc = 0
         self.fail_event_record = 0
         self._next_event = 0xE000
         t = cuda_lib.CudaTable()
@@ -40,6 +44,8 @@ class FakeCuda:
             event_query=cuda_lib.EVENT_QUERY_FN(self._event_query),
             event_synchronize=cuda_lib.EVENT_SYNCHRONIZE_FN(self._event_synchronize),
             stream_wait_event=cuda_lib.STREAM_WAIT_EVENT_FN(self._stream_wait_event),
+            host_alloc=cuda_lib.HOST_ALLOC_FN(self._host_alloc),
+            free_host=cuda_lib.FREE_HOST_FN(self._free_host),
         )
         for name, cb in self._callbacks.items():
             setattr(t, name, cb)
@@ -59,6 +65,21 @@ class FakeCuda:
     def _free(self, ptr):
         self.frees.append(ptr)
         self.buffers.pop(ptr, None)
+        return 0
+
+    def _host_alloc(self, pptr, size, flags):
+        if self.fail_host_alloc:
+            return self.fail_host_alloc
+        buf = ctypes.create_string_buffer(size + 512)
+        addr = align(ctypes.addressof(buf))
+        self.host_buffers[addr] = buf
+        self.host_allocs.append(size)
+        pptr[0] = addr
+        return 0
+
+    def _free_host(self, ptr):
+        self.host_frees.append(ptr)
+        self.host_buffers.pop(ptr, None)
         return 0
 
     def _get_device(self, pdev):
