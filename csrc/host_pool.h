@@ -25,6 +25,7 @@
 #pragma once
 
 #include "cuda_table.h"
+#include "types.h"
 
 #include <cstddef>
 #include <cstdint>
@@ -61,7 +62,7 @@ struct HostPoolStats {
 
 class HostPool {
  public:
-  static constexpr size_t kAlign = 512;
+  static constexpr size_t kAlign = kAlignment;  // the arena's grain (types.h)
   // cap_bytes 0: no cap.
   HostPool(std::unique_ptr<HostChunkSource> source, size_t chunk_bytes, size_t cap_bytes);
   ~HostPool();

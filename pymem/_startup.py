@@ -12,6 +12,7 @@ interpreter without it pays one environment lookup and never imports torch. The 
   PYMEM_OFFLOAD  ``delta`` (the CUDA default), ``never`` (the CPU default) or ``always``
   PYMEM_PREFETCH ``1`` (the default) or ``0``
   PYMEM_PLAN     ``auto`` (the default) or ``off``
+  PYMEM_HOST_BUDGET  a cap on host memory for offloaded values ("64GB", "50%" of RAM; default none)
   PYMEM_LOG      ``debug``, ``info``, ``warning`` or ``error``: pymem's log to stderr at that level
                  (at ``info``, a summary line when the program ends)
 
@@ -30,7 +31,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 def settings_from_env(environ: Mapping[str, str]) -> Dict[str, object]:
     """``enable()``'s keyword arguments from the PYMEM_* variables; ValueError naming the variable
     and the accepted values on anything malformed."""
-    from .budget import parse_budget
+    from .budget import parse_budget, parse_host_budget
     from .policies import director_names, policy_names
     from .runtime.settings import ALLOCATORS
 
@@ -60,6 +61,11 @@ def settings_from_env(environ: Mapping[str, str]) -> Dict[str, object]:
     if prefetch not in ("0", "1"):
         raise ValueError(f"PYMEM_PREFETCH={prefetch!r} is not accepted; accepted: 0, 1")
     settings["prefetch"] = prefetch == "1"
+    host = environ.get("PYMEM_HOST_BUDGET", "").strip() or None  # None: no cap
+    try:
+        settings["host_budget"] = parse_host_budget(host)
+    except ValueError as e:
+        raise ValueError(f"PYMEM_HOST_BUDGET: {e}") from None
     plan = environ.get("PYMEM_PLAN", "").strip() or "auto"
     if plan not in ("auto", "off"):
         raise ValueError(f"PYMEM_PLAN={plan!r} is not accepted; accepted: auto, off")

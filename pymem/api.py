@@ -6,7 +6,7 @@ from typing import Iterator, Optional, Union
 import torch
 
 from . import _C, snapshot
-from .budget import parse_budget
+from .budget import parse_budget, parse_host_budget
 from .cost_model import CostModel
 from .runtime import Runtime
 from .runtime.hooks import check_cuda_order  # part of the API: tested, documented
@@ -31,7 +31,7 @@ def _resolve_device(device: Optional[str]) -> str:
 def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
-           prefetch: bool = True, plan: str = "auto") -> Runtime:
+           prefetch: bool = True, plan: str = "auto", host_budget: Union[None, int, str] = None) -> Runtime:
     """Keep every tensor allocated from now on inside ``budget``, evicting (recomputed on next use)
     or offloading (copied back) tensors under pressure; training gives bitwise the same results. Tensors that exist already stay where
     they are (outside the budget).
@@ -69,15 +69,20 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     than recomputing it with its evicted ancestors; the CUDA default), ``"never"`` (the CPU default:
     there host memory is the memory the budget caps), ``"always"``. Host copies (pinned memory on
     CUDA) are outside the budget; ``memory_stats()["host_bytes"]`` says how much they hold.
-    prefetch: bring offloaded values back ahead of use, newest first (backward reads activations in
-    reverse), into free arena memory only, on a side stream (a worker thread on the CPU). Needs
+    prefetch: bring offloaded values back ahead of use (in the step plan's order, else newest first:
+    backward reads activations in reverse), into free arena memory only, on a side stream (a worker thread on the CPU). Needs
     ``allocator="arena"``.
     plan: ``"auto"`` (the default): from the third training step on, each step is planned from the
     one before (the step trace): under pressure the value released is the one whose return costs
     least per byte and per second until its next use in the step (Belady's rule weighted by cost),
     and values the step before released under pressure are released right after their last use
     before that, where the step still follows its plan; a step that leaves it (other ops, other
-    shapes) falls back to ``policy`` for the rest of that step. ``"off"``: ``policy`` alone.
+    shapes) falls back to ``policy`` for the rest of that step. ``"off"``: ``policy`` alone. While
+    the step follows its plan, offloaded values come back in the order the plan reads them.
+    host_budget: a cap on the host memory holding offloaded values (the same forms as ``budget``;
+    ``"N%"`` of the machine's physical memory), or None (the default): no cap. Host copies come
+    from pymem's host pool (pinned on CUDA), which grows in large chunks; when the cap leaves no
+    room for a copy, the value is evicted instead.
 
     Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
@@ -87,16 +92,18 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
         allocator = "arena"
     check_choices(policy, allocator, sampling, cost, offload, prefetch, plan=plan)  # a typo first, by name
     nbytes = parse_budget(budget, device)
-    settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch, plan)
+    host_nbytes = parse_host_budget(host_budget)
+    settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch, plan, host_nbytes)
     if _current is not None:
         if settings == _settings:
             return _current
-        names = ("budget", "policy", "device", "allocator", "sampling", "cost", "offload", "prefetch", "plan")
+        names = ("budget", "policy", "device", "allocator", "sampling", "cost", "offload", "prefetch", "plan",
+                 "host_budget")
         raise RuntimeError(f"pymem is already enabled with {_describe(names, _settings)}; call pymem.disable() "
                            f"before enabling it with {_describe(names, settings)}")
     check_cuda_order(device, allocator)  # before the runtime looks at the device
     rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
-                 offload=offload, prefetch=prefetch, plan=plan)
+                 offload=offload, prefetch=prefetch, plan=plan, host_budget=host_nbytes)
     rt.start()
     _current, _settings = rt, settings
     log.info("pymem enabled: budget %d B, policy %s, device %s, allocator %s", rt.budget, policy, device, allocator)
@@ -104,21 +111,22 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
 
 
 def _describe(names, values) -> str:
-    return ", ".join(f"{k}={v} B" if k == "budget" else f"{k}={v!r}" for k, v in zip(names, values))
+    return ", ".join(f"{k}={v} B" if k in ("budget", "host_budget") and v is not None else f"{k}={v!r}"
+                     for k, v in zip(names, values))
 
 
 @contextlib.contextmanager
 def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
-           prefetch: bool = True, plan: str = "auto") -> Iterator[Runtime]:
+           prefetch: bool = True, plan: str = "auto", host_budget: Union[None, int, str] = None) -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
     if _current is not None:
         raise RuntimeError("pymem.budget() cannot be used while pymem is already enabled; "
                            "call pymem.disable() first")
     rt = enable(limit, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
-                offload=offload, prefetch=prefetch, plan=plan)
+                offload=offload, prefetch=prefetch, plan=plan, host_budget=host_budget)
     try:
         yield rt
     finally:

@@ -34,6 +34,17 @@ def device_total_memory(device: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def parse_host_budget(host_budget: Union[None, int, str], total: Optional[int] = None) -> Optional[int]:
+    """Bytes for ``host_budget`` (the cap on host memory holding offloaded values), or None for no
+    cap; ``"N%"`` is N percent of the machine's physical memory. Raises ValueError naming it."""
+    if host_budget is None:
+        return None
+    try:
+        return parse_budget(host_budget, "cpu", total)
+    except ValueError as e:
+        raise ValueError(f"host_{e} (None: no cap)") from None
+
+
 def parse_budget(budget: Union[int, str], device: str = "cpu", total: Optional[int] = None) -> int:
     """Bytes for ``budget`` (see the module doc), rounded down to 512. ``total`` overrides the
     device's memory for ``"N%"``. Raises ValueError quoting the bad value and the accepted forms."""

@@ -3,7 +3,7 @@
   pymem demo   train a small GPT-style model on CPU twice, unmanaged and under pymem with a budget
                of 40% of its peak, and show peak, budget, slowdown, evictions and that the losses
                and parameters match bitwise
-  pymem run    pymem run --budget 2GB [--policy P] [--allocator native] [--offload D] [--no-prefetch] [--plan off]
+  pymem run    pymem run --budget 2GB [--policy P] [--allocator native] [--offload D] [--no-prefetch] [--plan off] [--host-budget 64GB]
                -- script.py args...: the script under pymem,
                a memory summary at exit
   pymem info   version, build, CUDA library, device memory
@@ -104,7 +104,8 @@ def cmd_run(args) -> int:
         return 2
     try:
         pymem.enable(args.budget, policy=args.policy, device=args.device, allocator=args.allocator,
-                     offload=args.offload, prefetch=not args.no_prefetch, plan=args.plan)
+                     offload=args.offload, prefetch=not args.no_prefetch, plan=args.plan,
+                     host_budget=args.host_budget)
     except (ValueError, RuntimeError) as e:
         print(f"pymem run: {e}", file=sys.stderr)
         return 2
@@ -141,6 +142,8 @@ def main(argv=None) -> int:
     r.add_argument("--no-prefetch", action="store_true", help="copy offloaded values back only when used")
     r.add_argument("--plan", default="auto", choices=("auto", "off"),
                    help="auto (the default): plan each training step from the one before; off: the policy alone (see pymem.enable)")
+    r.add_argument("--host-budget", default=None,
+                   help='cap on host memory for offloaded values, e.g. "64GB" or "50%%" of RAM (default: none)')
     r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
     r.set_defaults(fn=cmd_run)
     i = sub.add_parser("info", help="version, build, CUDA library, device memory")

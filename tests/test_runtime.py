@@ -127,10 +127,12 @@ def test_enable_errors(managed):
         pymem.enable(MiB, device="xla")
     with pytest.raises(ValueError, match="budget '1 gigabyte' is not accepted: expected an int of bytes"):
         pymem.enable("1 gigabyte")
+    with pytest.raises(ValueError, match=r"host_budget 'lots' is not accepted: expected .* \(None: no cap\)"):
+        pymem.enable(MiB, host_budget="lots")
     rt = pymem.enable(MiB)
     assert pymem.enable("1MiB") is rt  # the same settings: a no-op
     with pytest.raises(RuntimeError, match=r"already enabled with budget=1048576 B, policy='dtr', device='cpu', "
-                                           r"allocator='arena', sampling=False, cost=None, offload=None, prefetch=True, plan='auto'; call pymem.disable\(\) before "
+                                           r"allocator='arena', sampling=False, cost=None, offload=None, prefetch=True, plan='auto', host_budget=None; call pymem.disable\(\) before "
                                            r"enabling it with budget=2097152 B"):
         pymem.enable(2 * MiB)
     assert pymem.is_enabled()

@@ -252,3 +252,20 @@ def test_the_swap_stats_have_the_same_keys_with_or_without_offloading(rt):
     from pymem.runtime.swap import NO_SWAP_STATS
 
     assert set(rt.swap.stats()) == set(NO_SWAP_STATS)
+
+
+def test_host_copies_come_from_the_pool_in_chunks(managed):
+    stats = trained_bitwise_equal(managed, "gpt", 0.3, offload="always")
+    assert stats["num_host_chunks"] >= 1 and stats["host_reserved_bytes"] >= stats["host_bytes.peak"] > 0
+    # Chunks are large: far fewer than the copies made from them.
+    assert stats["num_host_chunks"] * 8 <= stats["num_host_allocs"], stats
+    assert stats["host_budget"] == 0 and stats["num_host_refused"] == 0
+
+
+def test_the_host_cap_turns_offloads_into_evictions(managed):
+    cap = budget_for("gpt", 0.3) // 4
+    stats = trained_bitwise_equal(managed, "gpt", 0.3, offload="always", host_budget=cap)
+    assert stats["host_budget"] == cap and stats["host_reserved_bytes"] <= cap
+    assert stats["num_host_refused"] > 0, stats
+    # What did not fit the cap was evicted (and recomputed) instead: both kinds in one run.
+    assert stats["num_offloads"] > 0 and stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0

@@ -51,9 +51,7 @@ class Residency:
         if self.plan is not None:
             self.plan.note_release(r)  # the next step's plan releases it early (csrc/step_plan.h)
         swap = self.swap
-        offload = swap is not None and swap.wants_offload(r)
-        if offload:
-            swap.copy_out(r, s)
+        offload = swap is not None and swap.wants_offload(r) and swap.copy_out(r, s)
         history = self.backend.history()
         if history is not None:
             history.label_next_free(s.data_ptr, f"pymem {'offload' if offload else 'evict'} {r.op}")

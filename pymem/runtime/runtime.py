@@ -113,15 +113,16 @@ class Runtime(_C.RuntimeBase):
 
     def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
                  sampling: bool = False, cost=None, hook=None, offload=None, prefetch: bool = True,
-                 link_bandwidth: Optional[float] = None, plan: str = "auto") -> None:
+                 link_bandwidth: Optional[float] = None, plan: str = "auto",
+                 host_budget: Optional[int] = None) -> None:
         """``hook``: how the arena becomes PyTorch's allocator (``hooks.py``); by default the CPU
         hook on the CPU and libpymem_cuda.so on CUDA. ``offload``: a director's name
         (``pymem.policies.director_names()``) or a Director; default ``"delta"`` on CUDA and
         ``"never"`` on the CPU, where host memory is the very memory the budget caps.
         ``link_bandwidth``: bytes per second of a copy to or from host memory (default: timed once
-        per process)."""
+        per process). ``host_budget``: bytes the host pool may hold for offloaded values (None: no cap)."""
         conf = _settings.check(budget, policy, device, allocator, sampling, cost, offload, prefetch,
-                               link_bandwidth, plan)
+                               link_bandwidth, plan, host_budget)
         self.settings = conf
         self.device = conf.device
         # plan="auto": the policy's choice under pressure follows the step plan where it can say
@@ -163,7 +164,7 @@ class Runtime(_C.RuntimeBase):
         self.swap: Optional[Swapper] = None
         if director.name != "never":
             self.swap = Swapper(self, director, self.link_bandwidth, conf.prefetch and conf.allocator == "arena",
-                                headroom=budget // 8)
+                                headroom=budget // 8, host_budget=conf.host_budget)
         self.residency.swap = self.swap
         # Inputs (records, or leaf tensors) of the kernels running now, innermost last: a kernel may
         # hold their addresses, so compaction leaves them where they are. Locks only stop release.

@@ -37,6 +37,7 @@ class Settings:
     link_bandwidth: Optional[float]   # bytes/s of a host copy; None: timed once per process
     intercept: str                    # one of INTERCEPTS: how ops reach the runtime
     plan: str = "auto"                # one of PLANS
+    host_budget: Optional[int] = None # cap on the host pool's bytes (offloaded values); None: none
 
     @property
     def on_cuda(self) -> bool:
@@ -104,7 +105,8 @@ def check_intercept() -> str:
 
 
 def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sampling: bool = False,
-          cost=None, offload=None, prefetch: bool = True, link_bandwidth=None, plan: str = "auto") -> Settings:
+          cost=None, offload=None, prefetch: bool = True, link_bandwidth=None, plan: str = "auto",
+          host_budget: Optional[int] = None) -> Settings:
     """Settings from ``pymem.enable``'s arguments (the budget already in bytes), or a ValueError that
     names the bad one and what is accepted. ``policy`` / ``offload``: a name or an instance; ``cost``
     and ``offload`` None: by device (measured and never on the CPU, estimate and delta on CUDA)."""
@@ -112,6 +114,8 @@ def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sam
     check_choices(policy, allocator, sampling, cost, offload, prefetch, link_bandwidth, plan)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
         raise ValueError(f"budget must be a positive int of bytes here, got {budget!r}")
+    if host_budget is not None and (not isinstance(host_budget, int) or isinstance(host_budget, bool) or host_budget <= 0):
+        raise ValueError(f"host_budget must be None or a positive int of bytes here, got {host_budget!r}")
     dev = check_device(device, allocator)
     on_cpu = dev.type == "cpu"
     if offload is None:
@@ -122,4 +126,4 @@ def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sam
     return Settings(budget=budget, device=dev, allocator=allocator, policy=policy, director=director,
                     prefetch=prefetch, sampling=sampling, cost=cost,
                     link_bandwidth=float(link_bandwidth) if link_bandwidth else None,
-                    intercept=check_intercept(), plan=plan)
+                    intercept=check_intercept(), plan=plan, host_budget=host_budget)

@@ -36,30 +36,44 @@ from .records import Record
 
 _perf = time.perf_counter
 _PREFETCH_DEPTH = 2  # copies in flight at most
+_MIN_CHUNK, _MAX_CHUNK = 2 << 20, 256 << 20  # the host pool's chunk, bounds
 _LEAD = 3.0  # a planned copy back starts when its value's read is this many copy times away
 _NONE = float("inf")  # StepTrace.next_use_at: no read left in the step
 
 
 class HostMemory:
-    """Host buffers for copies, outside the budget; counts the bytes they hold."""
+    """Host buffers for copies, outside the budget: blocks of pymem's host pool (csrc/host_pool.h),
+    pinned on CUDA, with an optional cap (``host_budget``)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, budget: int, cap: Optional[int]) -> None:
         self.pinned = device.type == "cuda"
-        self.bytes = 0
-        self.peak = 0
+        # Large chunks, so no pinned allocation on the hot path once the first step took what the
+        # steady state needs; an eighth of the device budget is a few offloaded activations' worth.
+        chunk = min(max(budget // 8, _MIN_CHUNK), _MAX_CHUNK)
+        table = 0
+        if self.pinned:
+            from ..cuda_lib import load  # the CUDA runtime table (cudaHostAlloc, events)
 
-    def empty(self, nbytes: int) -> torch.Tensor:
-        if self.pinned:  # PyTorch's pinned host cache: no cudaHostAlloc per copy once warm
-            t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        else:  # numpy's malloc: the CPU allocator is the arena now
-            t = torch.from_numpy(np.empty(nbytes, dtype=np.uint8))
-        self.bytes += nbytes
-        self.peak = max(self.peak, self.bytes)
-        weakref.finalize(t, self._gone, nbytes)
-        return t
+            table = load().runtime_table()
+        self.pool = _C.HostPool(chunk, cap_bytes=cap or 0, cuda_table=table)
 
-    def _gone(self, nbytes: int) -> None:
-        self.bytes -= nbytes
+    def empty(self, nbytes: int) -> Optional[torch.Tensor]:
+        """A uint8 host buffer, or None when the cap leaves no room."""
+        return self.pool.empty(nbytes)
+
+    def used_by_copy(self, buf: torch.Tensor, stream) -> None:
+        """An async copy reading or writing ``buf`` was enqueued on ``stream``: its block is reused
+        only after the copy completed."""
+        self.pool.record_use(buf, stream.cuda_stream)
+
+    @property
+    def bytes(self) -> int:
+        return self.pool.stats()["host_bytes"]
+
+    def stats(self) -> dict:
+        s = self.pool.stats()
+        s["host_budget"] = self.pool.cap
+        return s
 
 
 class _CpuCopier:
@@ -98,12 +112,15 @@ class _CudaCopier:
     before every reader). Prefetch: on a side stream after the compute stream's work so far; the
     compute stream waits for it when the value is adopted."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, host: HostMemory) -> None:
         self.device = device
+        self.host = host
         self.side = None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=dst.is_cuda)
+        if dst.is_cuda:  # in: the host block is read after we move on (out is synchronous)
+            self.host.used_by_copy(src, torch.cuda.current_stream(self.device))
 
     def start(self, dst: torch.Tensor, src: torch.Tensor):
         if self.side is None:
@@ -114,6 +131,7 @@ class _CudaCopier:
         with torch.cuda.stream(self.side):
             dst.copy_(src, non_blocking=True)
             done.record(self.side)
+        self.host.used_by_copy(src, self.side)
         return done
 
     @staticmethod
@@ -129,14 +147,15 @@ class _CudaCopier:
 
 
 class Swapper:
-    def __init__(self, rt, director, bandwidth: float, prefetch: bool, headroom: int) -> None:
+    def __init__(self, rt, director, bandwidth: float, prefetch: bool, headroom: int,
+                 host_budget: Optional[int] = None) -> None:
         self.rt = rt
         self.director = director
         self.bandwidth = bandwidth
         self.prefetch_enabled = prefetch
         self.headroom = headroom
-        self.host = HostMemory(rt.device)
-        self.copier = _CudaCopier(rt.device) if rt.device.type == "cuda" else _CpuCopier()
+        self.host = HostMemory(rt.device, rt.budget, host_budget)
+        self.copier = _CudaCopier(rt.device, self.host) if rt.device.type == "cuda" else _CpuCopier()
         # Offloaded values the plan places: (position of next read, tie-break, weakref), a heap; and
         # the others, oldest first (weak: one nobody needs any more is not brought back).
         self.planned: List[Tuple[int, int, weakref.ref]] = []
@@ -158,21 +177,25 @@ class Swapper:
     def wants_offload(self, r: Record) -> bool:
         return self.director.evaluate(r, self.rt.clock)
 
-    def copy_out(self, r: Record, sref) -> None:
-        """Give ``r`` a host copy of its value (held in ``sref``), unless it has one."""
+    def copy_out(self, r: Record, sref) -> bool:
+        """Give ``r`` a host copy of its value (held in ``sref``), unless it has one. False when the
+        host pool's cap leaves no room: the caller evicts instead (every offloaded value has a
+        recipe)."""
+        if r.host is None:
+            t0 = _perf()
+            with own_work():  # not ops of the program (pymem.evict runs under the mode)
+                host = self.host.empty(r.nbytes)
+                if host is None:  # counted by the pool (num_host_refused)
+                    return False
+                self.copier.copy(host, sref.view(torch.uint8, [r.nbytes], [1], 0))
+            r.host = host
+            self.copied_out_bytes += r.nbytes
+            self.seconds += _perf() - t0
         self.num_offloads += 1
         self.offloaded_bytes += r.nbytes
         if self.prefetch_enabled:
             self._queue(r)
-        if r.host is not None:
-            return
-        t0 = _perf()
-        with own_work():  # not ops of the program (pymem.evict runs under the mode)
-            host = self.host.empty(r.nbytes)
-            self.copier.copy(host, sref.view(torch.uint8, [r.nbytes], [1], 0))
-        r.host = host
-        self.copied_out_bytes += r.nbytes
-        self.seconds += _perf() - t0
+        return True
 
     def _queue(self, r: Record) -> None:
         """Queue r's copy back: by its planned next read where the plan places one in this step."""
@@ -305,15 +328,16 @@ class Swapper:
             "prefetched_bytes": self.prefetched_bytes,
             "num_prefetches_cancelled": self.num_prefetches_cancelled,
             "swap_seconds": self.seconds,
-            "host_bytes": self.host.bytes,
-            "host_bytes.peak": self.host.peak,
+            **self.host.stats(),
         }
 
 
 # What stats() reports for a runtime that offloads nothing (offload="never"): the same keys, zero.
 NO_SWAP_STATS = {k: 0 for k in ("num_offloads", "offloaded_bytes", "offload_copied_bytes", "num_swap_ins",
                                 "swapped_in_bytes", "num_prefetches", "prefetched_bytes", "num_prefetches_cancelled",
-                                "host_bytes", "host_bytes.peak")}
+                                "host_bytes", "host_bytes.peak", "host_reserved_bytes", "num_host_chunks",
+                                "num_host_allocs", "num_host_pending", "num_host_refused")}
+NO_SWAP_STATS["host_budget"] = 0
 NO_SWAP_STATS["swap_seconds"] = 0.0
 
 
