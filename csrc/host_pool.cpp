@@ -81,6 +81,13 @@ void* HostPool::allocate(size_t bytes) {
   return reinterpret_cast<void*>(b->addr);
 }
 
+bool HostPool::fits(size_t bytes) const {
+  const size_t rounded = round_up(bytes);
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!free_.empty() && (*free_.rbegin())->size >= rounded) return true;
+  return cap_ == 0 || stats_.reserved + rounded <= cap_;
+}
+
 void HostPool::release(void* p) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = allocated_.find(reinterpret_cast<uintptr_t>(p));

@@ -70,6 +70,9 @@ class HostPool {
   HostPool& operator=(const HostPool&) = delete;
 
   void* allocate(size_t bytes);  // null: the cap (or the system) refused
+  // Whether allocate(bytes) would find room under the cap (a free block, or a new chunk; pending
+  // blocks not counted). A value that can only be offloaded (a leaf) is released only then.
+  bool fits(size_t bytes) const;
   void release(void* p);         // free now, or pending until its recorded uses complete
   // An async copy using p's block was just enqueued on `stream` (a cudaStream_t; null: default).
   void record_use(void* p, void* stream);

@@ -59,6 +59,8 @@ void bind_host_pool(py::module_& m) {  // bindings.cpp calls it
           py::arg("tensor"), py::arg("stream") = 0,
           "A copy using the tensor's block was enqueued on `stream` (cudaStream_t as int): the block is "
           "reused only once it completed.")
+      .def("fits", &HostPool::fits, py::arg("nbytes"),
+           "Whether a block of `nbytes` would be handed out now (under the cap).")
       .def("stats",
            [](const HostPool& pool) {
              const HostPoolStats s = pool.stats();

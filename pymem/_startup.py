@@ -13,6 +13,7 @@ interpreter without it pays one environment lookup and never imports torch. The 
   PYMEM_PREFETCH ``1`` (the default) or ``0``
   PYMEM_PLAN     ``auto`` (the default) or ``off``
   PYMEM_HOST_BUDGET  a cap on host memory for offloaded values ("64GB", "50%" of RAM; default none)
+  PYMEM_OFFLOAD_LEAVES ``1`` or ``0``: offload values with no recipe (default: when offloading)
   PYMEM_LOG      ``debug``, ``info``, ``warning`` or ``error``: pymem's log to stderr at that level
                  (at ``info``, a summary line when the program ends)
 
@@ -66,6 +67,10 @@ def settings_from_env(environ: Mapping[str, str]) -> Dict[str, object]:
         settings["host_budget"] = parse_host_budget(host)
     except ValueError as e:
         raise ValueError(f"PYMEM_HOST_BUDGET: {e}") from None
+    leaves = environ.get("PYMEM_OFFLOAD_LEAVES", "").strip() or None  # None: by offload
+    if leaves is not None and leaves not in ("0", "1"):
+        raise ValueError(f"PYMEM_OFFLOAD_LEAVES={leaves!r} is not accepted; accepted: 0, 1")
+    settings["offload_leaves"] = None if leaves is None else leaves == "1"
     plan = environ.get("PYMEM_PLAN", "").strip() or "auto"
     if plan not in ("auto", "off"):
         raise ValueError(f"PYMEM_PLAN={plan!r} is not accepted; accepted: auto, off")

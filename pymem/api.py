@@ -31,7 +31,8 @@ def _resolve_device(device: Optional[str]) -> str:
 def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
-           prefetch: bool = True, plan: str = "auto", host_budget: Union[None, int, str] = None) -> Runtime:
+           prefetch: bool = True, plan: str = "auto", host_budget: Union[None, int, str] = None,
+           offload_leaves: Optional[bool] = None) -> Runtime:
     """Keep every tensor allocated from now on inside ``budget``, evicting (recomputed on next use)
     or offloading (copied back) tensors under pressure; training gives bitwise the same results. Tensors that exist already stay where
     they are (outside the budget).
@@ -83,6 +84,11 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     ``"N%"`` of the machine's physical memory), or None (the default): no cap. Host copies come
     from pymem's host pool (pinned on CUDA), which grows in large chunks; when the cap leaves no
     room for a copy, the value is evicted instead.
+    offload_leaves: whether values with no recipe (gradients, optimizer state, parameters made
+    under pymem) may be released too, offloaded: copied back byte-exact (``_version`` unchanged)
+    when next used, weighed by the policy like any value at the cost of their copy. ``None`` (the
+    default): whenever ``offload`` offloads anything (so by default on CUDA). A leaf the host pool
+    has no room for stays.
 
     Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
@@ -91,19 +97,23 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     if allocator is None:
         allocator = "arena"
     check_choices(policy, allocator, sampling, cost, offload, prefetch, plan=plan)  # a typo first, by name
+    if offload_leaves is not None and not isinstance(offload_leaves, bool):
+        raise ValueError(f"offload_leaves must be None (by offload), True or False, got {offload_leaves!r}")
     nbytes = parse_budget(budget, device)
     host_nbytes = parse_host_budget(host_budget)
-    settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch, plan, host_nbytes)
+    settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch, plan, host_nbytes,
+                offload_leaves)
     if _current is not None:
         if settings == _settings:
             return _current
         names = ("budget", "policy", "device", "allocator", "sampling", "cost", "offload", "prefetch", "plan",
-                 "host_budget")
+                 "host_budget", "offload_leaves")
         raise RuntimeError(f"pymem is already enabled with {_describe(names, _settings)}; call pymem.disable() "
                            f"before enabling it with {_describe(names, settings)}")
     check_cuda_order(device, allocator)  # before the runtime looks at the device
     rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
-                 offload=offload, prefetch=prefetch, plan=plan, host_budget=host_nbytes)
+                 offload=offload, prefetch=prefetch, plan=plan, host_budget=host_nbytes,
+                 offload_leaves=offload_leaves)
     rt.start()
     _current, _settings = rt, settings
     log.info("pymem enabled: budget %d B, policy %s, device %s, allocator %s", rt.budget, policy, device, allocator)
@@ -119,14 +129,16 @@ def _describe(names, values) -> str:
 def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = None,
            allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
-           prefetch: bool = True, plan: str = "auto", host_budget: Union[None, int, str] = None) -> Iterator[Runtime]:
+           prefetch: bool = True, plan: str = "auto", host_budget: Union[None, int, str] = None,
+           offload_leaves: Optional[bool] = None) -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
     if _current is not None:
         raise RuntimeError("pymem.budget() cannot be used while pymem is already enabled; "
                            "call pymem.disable() first")
     rt = enable(limit, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
-                offload=offload, prefetch=prefetch, plan=plan, host_budget=host_budget)
+                offload=offload, prefetch=prefetch, plan=plan, host_budget=host_budget,
+                offload_leaves=offload_leaves)
     try:
         yield rt
     finally:

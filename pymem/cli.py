@@ -105,7 +105,7 @@ def cmd_run(args) -> int:
     try:
         pymem.enable(args.budget, policy=args.policy, device=args.device, allocator=args.allocator,
                      offload=args.offload, prefetch=not args.no_prefetch, plan=args.plan,
-                     host_budget=args.host_budget)
+                     host_budget=args.host_budget, offload_leaves=False if args.no_offload_leaves else None)
     except (ValueError, RuntimeError) as e:
         print(f"pymem run: {e}", file=sys.stderr)
         return 2
@@ -142,6 +142,8 @@ def main(argv=None) -> int:
     r.add_argument("--no-prefetch", action="store_true", help="copy offloaded values back only when used")
     r.add_argument("--plan", default="auto", choices=("auto", "off"),
                    help="auto (the default): plan each training step from the one before; off: the policy alone (see pymem.enable)")
+    r.add_argument("--no-offload-leaves", action="store_true",
+                   help="never offload values with no recipe (gradients, optimizer state): see pymem.enable")
     r.add_argument("--host-budget", default=None,
                    help='cap on host memory for offloaded values, e.g. "64GB" or "50%%" of RAM (default: none)')
     r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")

@@ -200,6 +200,8 @@ def _recompute(rt, r: Record) -> None:
     # What the kernels below read must not move under them (compaction): records and leaf aliases.
     rt.running.append(locked + [a.leaf for a in rc.refs if a.leaf is not None])
     try:
+        if rt.residency.offload_leaves:
+            _lock_leaves(rt, rc, locked)
         bases = {}
         tensors = []
         for a in rc.refs:
@@ -233,6 +235,20 @@ def _recompute(rt, r: Record) -> None:
     kind, i = rc.out
     rt.residency.bring_back(r, tensors[i] if kind == "arg" else (out if isinstance(out, torch.Tensor) else _flat(out)[i]),
                             rt.clock)
+
+
+def _lock_leaves(rt, rc, locked: List[Record]) -> None:
+    """offload_leaves: the leaves the recipe reads through their tensors (not records) may be in
+    host memory. Each is brought back (the inputs already locked) and locked, added to ``locked``
+    (which the caller unlocks): a recompute reads them in place."""
+    for a in rc.refs:
+        if a.leaf is not None:
+            rec = rt.table.get(_C.storage_key(a.leaf))
+            if rec is not None and rec.recipe is None and rec not in locked:
+                if rec.evicted:
+                    restore(rt, [rec])
+                rec.locks += 1
+                locked.append(rec)
 
 
 def _call(rc, args, kwargs):

@@ -13,6 +13,7 @@ import weakref
 from typing import Dict, Optional
 
 from .. import _C
+from ..errors import OutOfBudgetError
 from ..policies import EvictedNeighbourhood
 from .records import Record
 
@@ -23,6 +24,7 @@ class Residency:
         self.uses_neighbourhood = uses_neighbourhood
         self.link_bandwidth = link_bandwidth  # bytes/s of a host copy (Record.swap_cost)
         self.swap = None  # the Swapper, when values may be offloaded
+        self.offload_leaves = False  # values with no recipe may be released too (offloaded only)
         self.plan = None  # the step trace, when it plans each step from the last (Record.next_use)
         # Values recomputed only as inputs (no storage of their own): record -> (StorageRef, tensor).
         self.cache: Dict[Record, tuple] = {}
@@ -43,15 +45,33 @@ class Residency:
         return s is not None and not r.evicted and s.alive
 
     # ------------------------------------------------------------------ release
+    def releasable(self, r: Record) -> bool:
+        """Whether r's value could leave memory (the caller checks locks, pins and waits): it has a
+        recipe, or it is a leaf, leaves are offloaded, and the host pool has room for it. A leaf's
+        return costs its copy only: that is its cost for the policy."""
+        if r.recipe is not None:
+            return True
+        if not self.offload_leaves or not self.swap.host.fits(r.nbytes):
+            return False
+        r.compute_cost = 2 * r.swap_cost  # out and back
+        return True
+
     def release(self, r: Record) -> None:
         """Free one value's buffer now: offloaded (a host copy brings it back) if the director says
-        so, else evicted (it stays recomputable)."""
+        so, else evicted (it stays recomputable). A leaf is always offloaded (it has no recipe)."""
         cached = self.cache.get(r)
         s = cached[0] if cached is not None else r.sref
         if self.plan is not None:
             self.plan.note_release(r)  # the next step's plan releases it early (csrc/step_plan.h)
         swap = self.swap
-        offload = swap is not None and swap.wants_offload(r) and swap.copy_out(r, s)
+        if r.recipe is None:
+            if swap is None or not swap.copy_out(r, s):
+                raise OutOfBudgetError(
+                    f"pymem: {r.op} ({r.nbytes} B, no recipe) can only be offloaded, and the host pool has no "
+                    f"room: {swap.host.describe() if swap is not None else 'offloading is off'}. Raise host_budget.")
+            offload = True
+        else:
+            offload = swap is not None and swap.wants_offload(r) and swap.copy_out(r, s)
         history = self.backend.history()
         if history is not None:
             history.label_next_free(s.data_ptr, f"pymem {'offload' if offload else 'evict'} {r.op}")

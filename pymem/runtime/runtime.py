@@ -114,7 +114,7 @@ class Runtime(_C.RuntimeBase):
     def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
                  sampling: bool = False, cost=None, hook=None, offload=None, prefetch: bool = True,
                  link_bandwidth: Optional[float] = None, plan: str = "auto",
-                 host_budget: Optional[int] = None) -> None:
+                 host_budget: Optional[int] = None, offload_leaves: Optional[bool] = None) -> None:
         """``hook``: how the arena becomes PyTorch's allocator (``hooks.py``); by default the CPU
         hook on the CPU and libpymem_cuda.so on CUDA. ``offload``: a director's name
         (``pymem.policies.director_names()``) or a Director; default ``"delta"`` on CUDA and
@@ -122,7 +122,7 @@ class Runtime(_C.RuntimeBase):
         ``link_bandwidth``: bytes per second of a copy to or from host memory (default: timed once
         per process). ``host_budget``: bytes the host pool may hold for offloaded values (None: no cap)."""
         conf = _settings.check(budget, policy, device, allocator, sampling, cost, offload, prefetch,
-                               link_bandwidth, plan, host_budget)
+                               link_bandwidth, plan, host_budget, offload_leaves)
         self.settings = conf
         self.device = conf.device
         # plan="auto": the policy's choice under pressure follows the step plan where it can say
@@ -166,6 +166,7 @@ class Runtime(_C.RuntimeBase):
             self.swap = Swapper(self, director, self.link_bandwidth, conf.prefetch and conf.allocator == "arena",
                                 headroom=budget // 8, host_budget=conf.host_budget)
         self.residency.swap = self.swap
+        self.residency.offload_leaves = conf.offload_leaves and self.swap is not None
         # Inputs (records, or leaf tensors) of the kernels running now, innermost last: a kernel may
         # hold their addresses, so compaction leaves them where they are. Locks only stop release.
         self.running: List[list] = []
@@ -314,9 +315,9 @@ class Runtime(_C.RuntimeBase):
         r = self.table.get(key)
         if (r is not None and r.pins) or (key and t.untyped_storage().nbytes() == 0):
             return  # shared outside torch (pinned): it stays; or no bytes to free (empty, or evicted)
-        if r is None or r.recipe is None:
+        if r is None or (r.recipe is None and not self.residency.offload_leaves):
             raise ValueError("pymem.evict: this tensor has no recipe (a leaf, or made outside pymem): "
-                             "it cannot be evicted")
+                             "it cannot be evicted (a leaf can be offloaded: offload_leaves=True)")
         if r.locks:
             raise ValueError("pymem.evict: this tensor is an input of a running op")
         if not r.evicted:

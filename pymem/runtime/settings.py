@@ -38,6 +38,7 @@ class Settings:
     intercept: str                    # one of INTERCEPTS: how ops reach the runtime
     plan: str = "auto"                # one of PLANS
     host_budget: Optional[int] = None # cap on the host pool's bytes (offloaded values); None: none
+    offload_leaves: bool = False      # values with no recipe (gradients, optimizer state) offloadable
 
     @property
     def on_cuda(self) -> bool:
@@ -106,7 +107,7 @@ def check_intercept() -> str:
 
 def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sampling: bool = False,
           cost=None, offload=None, prefetch: bool = True, link_bandwidth=None, plan: str = "auto",
-          host_budget: Optional[int] = None) -> Settings:
+          host_budget: Optional[int] = None, offload_leaves: Optional[bool] = None) -> Settings:
     """Settings from ``pymem.enable``'s arguments (the budget already in bytes), or a ValueError that
     names the bad one and what is accepted. ``policy`` / ``offload``: a name or an instance; ``cost``
     and ``offload`` None: by device (measured and never on the CPU, estimate and delta on CUDA)."""
@@ -121,9 +122,17 @@ def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sam
     if offload is None:
         offload = "never" if on_cpu else "delta"
     director = offload if isinstance(offload, Director) else get_director(offload)
+    if offload_leaves is not None and not isinstance(offload_leaves, bool):
+        raise ValueError(f"offload_leaves must be None (by offload), True or False, got {offload_leaves!r}")
+    if offload_leaves is None:  # the lowest floor where anything is offloaded
+        offload_leaves = director.name != "never"
+    elif offload_leaves and director.name == "never":
+        raise ValueError("offload_leaves=True needs offloading, but offload='never' offloads nothing; "
+                         "set offload='delta' or 'always', or leave offload_leaves unset")
     if cost is None:
         cost = "measured" if on_cpu else "estimate"
     return Settings(budget=budget, device=dev, allocator=allocator, policy=policy, director=director,
                     prefetch=prefetch, sampling=sampling, cost=cost,
                     link_bandwidth=float(link_bandwidth) if link_bandwidth else None,
-                    intercept=check_intercept(), plan=plan, host_budget=host_budget)
+                    intercept=check_intercept(), plan=plan, host_budget=host_budget,
+                    offload_leaves=offload_leaves)

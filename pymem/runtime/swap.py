@@ -61,6 +61,9 @@ class HostMemory:
         """A uint8 host buffer, or None when the cap leaves no room."""
         return self.pool.empty(nbytes)
 
+    def fits(self, nbytes: int) -> bool:
+        return self.pool.fits(nbytes)
+
     def used_by_copy(self, buf: torch.Tensor, stream) -> None:
         """An async copy reading or writing ``buf`` was enqueued on ``stream``: its block is reused
         only after the copy completed."""
@@ -69,6 +72,12 @@ class HostMemory:
     @property
     def bytes(self) -> int:
         return self.pool.stats()["host_bytes"]
+
+    def describe(self) -> str:
+        s = self.pool.stats()
+        cap = f"a cap of {self.pool.cap} B" if self.pool.cap else "no cap"
+        return (f"host copies hold {s['host_bytes']} B of {s['host_reserved_bytes']} B in {s['num_host_chunks']} "
+                f"chunk(s), under {cap}")
 
     def stats(self) -> dict:
         s = self.pool.stats()
@@ -171,6 +180,7 @@ class Swapper:
         self.num_prefetches = 0
         self.prefetched_bytes = 0
         self.num_prefetches_cancelled = 0
+        self.num_leaf_offloads = 0  # offloads of values with no recipe (offload_leaves)
         self.seconds = 0.0  # the calling thread's time in copies and waits
 
     # ------------------------------------------------------------------ out
@@ -193,6 +203,8 @@ class Swapper:
             self.seconds += _perf() - t0
         self.num_offloads += 1
         self.offloaded_bytes += r.nbytes
+        if r.recipe is None:
+            self.num_leaf_offloads += 1
         if self.prefetch_enabled:
             self._queue(r)
         return True
@@ -327,6 +339,7 @@ class Swapper:
             "num_prefetches": self.num_prefetches,
             "prefetched_bytes": self.prefetched_bytes,
             "num_prefetches_cancelled": self.num_prefetches_cancelled,
+            "num_leaf_offloads": self.num_leaf_offloads,
             "swap_seconds": self.seconds,
             **self.host.stats(),
         }
@@ -336,7 +349,7 @@ class Swapper:
 NO_SWAP_STATS = {k: 0 for k in ("num_offloads", "offloaded_bytes", "offload_copied_bytes", "num_swap_ins",
                                 "swapped_in_bytes", "num_prefetches", "prefetched_bytes", "num_prefetches_cancelled",
                                 "host_bytes", "host_bytes.peak", "host_reserved_bytes", "num_host_chunks",
-                                "num_host_allocs", "num_host_pending", "num_host_refused")}
+                                "num_host_allocs", "num_host_pending", "num_host_refused", "num_leaf_offloads")}
 NO_SWAP_STATS["host_budget"] = 0
 NO_SWAP_STATS["swap_seconds"] = 0.0
 
