@@ -1,4 +1,5 @@
-"""Reads that reach a tensor's bytes without an aten op see its value, evicted or not."""
+"""Reads that reach a tensor's bytes without an aten op see its value, evicted (recomputed),
+offloaded (copied back), or a leaf offloaded (offload_leaves), or resident."""
 import copy
 import io
 import pickle
@@ -10,13 +11,18 @@ import torch
 import pymem
 
 
-@pytest.fixture
-def evicted():
-    """An activation, its value, and a helper that evicts it again before each read."""
-    pymem.enable(budget="64MB", device="cpu")
+@pytest.fixture(params=["evicted", "offloaded", "offloaded leaf"])
+def evicted(request):
+    """An activation (or a leaf), its value, and a helper that releases it again before each read:
+    evicted, or offloaded to host memory."""
+    pymem.enable(budget="64MB", device="cpu", offload="never" if request.param == "evicted" else "always")
     try:
         x = torch.randn(128, 96, requires_grad=True)
-        h = (x * 2).exp()
+        if request.param == "offloaded leaf":
+            with pymem.no_recompute():
+                h = (x * 2).exp()
+        else:
+            h = (x * 2).exp()
         want = h.detach().clone()
 
         def again(t=h):

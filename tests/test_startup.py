@@ -66,6 +66,7 @@ def test_log_variable_reports_enable_and_a_summary_at_exit():
     ("PYMEM_PREFETCH", "yes", "PYMEM_PREFETCH='yes' is not accepted; accepted: 0, 1"),
     ("PYMEM_PLAN", "always", "PYMEM_PLAN='always' is not accepted; accepted: auto, off"),
     ("PYMEM_HOST_BUDGET", "lots", "PYMEM_HOST_BUDGET: host_budget 'lots' is not accepted"),
+    ("PYMEM_OFFLOAD_LEAVES", "yes", "PYMEM_OFFLOAD_LEAVES='yes' is not accepted; accepted: 0, 1"),
 ])
 def test_malformed_variable_stops_the_program_before_it_starts(var, value, expected):
     env = {"PYMEM_BUDGET": "64MB", var: value}
@@ -78,10 +79,12 @@ def test_malformed_variable_stops_the_program_before_it_starts(var, value, expec
 def test_settings_from_env_accepts_every_budget_form_and_defaults():
     s = _startup.settings_from_env({"PYMEM_BUDGET": "1.5GiB"})
     assert s == {"budget": parse_budget("1.5GiB"), "policy": "dtr", "device": None, "allocator": None,
-                 "offload": None, "prefetch": True, "plan": "auto", "host_budget": None, "log": None}
+                 "offload": None, "prefetch": True, "plan": "auto", "host_budget": None, "offload_leaves": None,
+                 "log": None}
     s = _startup.settings_from_env({"PYMEM_BUDGET": "10%", "PYMEM_DEVICE": "cpu", "PYMEM_POLICY": "coop",
                                     "PYMEM_ALLOCATOR": "native", "PYMEM_LOG": "DEBUG", "PYMEM_OFFLOAD": "always",
-                                    "PYMEM_PREFETCH": "0", "PYMEM_PLAN": "off", "PYMEM_HOST_BUDGET": "50%"})
+                                    "PYMEM_PREFETCH": "0", "PYMEM_PLAN": "off", "PYMEM_HOST_BUDGET": "50%",
+                                    "PYMEM_OFFLOAD_LEAVES": "0"})
     assert s == {"budget": parse_budget("10%", "cpu"), "policy": "coop", "device": "cpu", "allocator": "native",
                  "offload": "always", "prefetch": False, "plan": "off", "host_budget": parse_budget("50%", "cpu"),
-                 "log": "debug"}
+                 "offload_leaves": False, "log": "debug"}

@@ -158,7 +158,7 @@ class _Held(torch.Tensor):
 
 
 def test_a_prefetch_in_flight_is_given_up_under_pressure():
-    rt = pymem.enable(4 * MiB, device="cpu", offload="always", prefetch=True)
+    rt = pymem.enable(4 * MiB, device="cpu", offload="always", prefetch=True, offload_leaves=False)
     try:
         with pymem.no_recompute():
             leaf = torch.ones(MiB // 4)  # 1 MiB that can never be released

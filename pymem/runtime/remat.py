@@ -238,17 +238,19 @@ def _recompute(rt, r: Record) -> None:
 
 
 def _lock_leaves(rt, rc, locked: List[Record]) -> None:
-    """offload_leaves: the leaves the recipe reads through their tensors (not records) may be in
-    host memory. Each is brought back (the inputs already locked) and locked, added to ``locked``
-    (which the caller unlocks): a recompute reads them in place."""
-    for a in rc.refs:
-        if a.leaf is not None:
-            rec = rt.table.get(_C.storage_key(a.leaf))
-            if rec is not None and rec.recipe is None and rec not in locked:
-                if rec.evicted:
-                    restore(rt, [rec])
-                rec.locks += 1
-                locked.append(rec)
+    """offload_leaves: the leaves the recipe reads through their tensors (not records), and its
+    generator state, may be in host memory. Each is brought back (the inputs already locked) and
+    locked, added to ``locked`` (which the caller unlocks): a recompute reads them in place."""
+    tensors = [a.leaf for a in rc.refs if a.leaf is not None]
+    if rc.rng is not None:
+        tensors.append(rc.rng[1])
+    for t in tensors:
+        rec = rt.table.get(_C.storage_key(t))
+        if rec is not None and rec.recipe is None and rec not in locked:
+            if rec.evicted:
+                restore(rt, [rec])
+            rec.locks += 1
+            locked.append(rec)
 
 
 def _call(rc, args, kwargs):
