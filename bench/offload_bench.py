@@ -29,49 +29,21 @@ import time
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see remat_bench.py
 
 import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "bench"))
 import pymem  # noqa: E402
 import vs_checkpoint as vc  # noqa: E402
+from pymem.demo_models import wide_trainer  # noqa: E402
 
 SETTINGS = {"recompute": dict(offload="never"),
             "activations": dict(offload="always", offload_leaves=False),
             "leaves": dict(offload="always")}
 
 
-class WideMLP(nn.Module):
-    def __init__(self, width=1024, layers=6):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = F.relu(layer(x))
-        return x
-
-
-def make_wide():
-    torch.manual_seed(0)
-    model = WideMLP()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x, y = torch.randn(16, 1024), torch.randn(16, 1024)
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    return step
-
-
 def make(name):
-    return make_wide() if name == "wide" else vc.make(name, "plain", False, [])
+    return wide_trainer() if name == "wide" else vc.make(name, "plain", False, [])
 
 
 def peak_of(name, steps=2):
@@ -96,12 +68,8 @@ def run(name, budget, options, steps, timed=0):
         step = make(name)
         for _ in range(steps):
             step()
-        times = []
-        for _ in range(timed):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        return True, statistics.median(times) if times else None, dict(pymem.memory_stats())
+        seconds = _median_step(step, timed) if timed else None
+        return True, seconds, dict(pymem.memory_stats())
     except pymem.OutOfBudgetError as e:
         return False, None, str(e)[:200]
     finally:
@@ -126,17 +94,22 @@ def floor(name, peak, options, a, log):
     return hi
 
 
-def unmanaged_step(name, n):
-    step = make(name)
-    step()
+def _median_step(step, n):
     times = []
     for _ in range(n):
         t0 = time.perf_counter()
         step()
         times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def unmanaged_step(name, n):
+    step = make(name)
+    step()
+    seconds = _median_step(step, n)
     del step
     gc.collect()
-    return statistics.median(times)
+    return seconds
 
 
 def main():
@@ -183,7 +156,7 @@ def main():
 
 def report(name, d):
     fl = d["floors"]
-    show = {k: (f"{v:.3f}" if v is not None else "none") for k, v in fl.items()}
+    show = {k: (f"{v:.3f}" if v is not None else "none up to 1.0") for k, v in fl.items()}
     print(f"\n{name}: unmanaged peak {d['peak_bytes'] / 2**20:.1f} MiB, step {d['unmanaged_step_s']:.3f} s")
     print(f"  lowest feasible ratio: recompute {show['recompute']}, activations offloaded {show['activations']}, "
           f"leaves offloaded too {show['leaves']}")

@@ -49,3 +49,35 @@ def gpt_trainer(batch: int = 16, seq: int = 256, seed: int = 0, vocab: int = 512
 
     step.model = model
     return step
+
+
+class WideMLP(torch.nn.Module):
+    """A model dominated by its leaves: parameters, gradients and Adam state (16 bytes per parameter)
+    are most of its peak, activations (a small batch) next to nothing."""
+
+    def __init__(self, width: int = 1024, layers: int = 6):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.nn.functional.relu(layer(x))
+        return x
+
+
+def wide_trainer(width: int = 1024, layers: int = 6, batch: int = 16, seed: int = 0):
+    """Returns step() -> loss: one Adam step of WideMLP on a fixed random batch (regression)."""
+    torch.manual_seed(seed)
+    model = WideMLP(width, layers)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(batch, width), torch.randn(batch, width)
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step.model = model
+    return step

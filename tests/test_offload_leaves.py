@@ -4,10 +4,9 @@ with ``_version`` unchanged, and a leaf-dominated model trains bitwise below the
 activations-only release allows."""
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 import pymem
+from pymem.demo_models import wide_trainer
 from bitwise_harness import assert_bitwise_equal, budget_at, measure_peak, run_managed, run_unmanaged
 
 torch.set_num_threads(2)
@@ -57,34 +56,8 @@ def test_offload_leaves_settings_are_checked(managed):
     assert not rt.residency.offload_leaves
 
 
-class WideMLP(nn.Module):
-    """Parameters, gradients and Adam state are most of its peak: activations (a batch of 8) are tiny."""
-
-    def __init__(self, width=512, layers=4):
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = F.relu(layer(x))
-        return x
-
-
 def _wide_trainer():
-    torch.manual_seed(0)
-    model = WideMLP()
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    x, y = torch.randn(8, 512), torch.randn(8, 512)
-
-    def step():
-        opt.zero_grad(set_to_none=False)
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        return loss.item()
-
-    step.model = model
-    return step
+    return wide_trainer(width=512, layers=4, batch=8)
 
 
 def test_a_leaf_dominated_model_trains_bitwise_at_0_4_of_its_peak(managed):
