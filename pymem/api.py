@@ -68,7 +68,10 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     used, or before) or is evicted (recomputed when used) — a director from
     ``pymem.policies.director_names()``: ``"delta"`` (offload when copying out and back costs less
     than recomputing it with its evicted ancestors; the CUDA default), ``"never"`` (the CPU default:
-    there host memory is the memory the budget caps), ``"always"``. Host copies (pinned memory on
+    there host memory is the memory the budget caps), ``"always"``, ``"capuchin"`` (from the step
+    plan: offload when the copy back hides behind the compute before the next use, or what it
+    leaves exposed costs less than the recompute; evict what the step does not read again; DELTA's
+    rule until a plan exists). Host copies (pinned memory on
     CUDA) are outside the budget; ``memory_stats()["host_bytes"]`` says how much they hold.
     prefetch: bring offloaded values back ahead of use (in the step plan's order, else newest first:
     backward reads activations in reverse), into free arena memory only, on a side stream (a worker thread on the CPU). Needs

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from pymem.policies import EvictedNeighbourhood, get_policy, policy_names, sample_candidates
+from pymem.policies import EvictedNeighbourhood, get_director, get_policy, policy_names, sample_candidates
 
 
 @dataclass
@@ -105,3 +105,28 @@ def test_sampling_is_optional_and_bounded():
     assert sample_candidates([3], rng) == [3]
     with pytest.raises(ValueError, match="sizes has 2 entries for 3 candidates"):
         sample_candidates([1, 2, 3], rng, [1, 2])
+
+
+@dataclass
+class V:
+    """What a director reads."""
+    compute_cost: float
+    swap_cost: float
+    next_use: object = None
+    has_host_copy: bool = False
+    evicted_ancestor_cost: float = 0.0
+
+
+def test_capuchin_swaps_what_hides_behind_compute_and_recomputes_the_rest():
+    cap, delta = get_director("capuchin"), get_director("delta")
+    # No plan: DELTA's rule (2 c_s < c + a*).
+    for v in (V(3.0, 1.0), V(1.5, 1.0), V(0.5, 1.0, evicted_ancestor_cost=2.0)):
+        assert cap.evaluate(v, 0.0) == delta.evaluate(v, 0.0)
+    assert not cap.evaluate(V(100.0, 1.0, next_use=float("inf")), 0.0)  # never read again: evict, free
+    # The copy back hides behind 5 s of compute; the copy out (1 s) stays exposed.
+    assert cap.evaluate(V(1.5, 1.0, next_use=5.0), 0.0)        # 1 < 1.5
+    assert not cap.evaluate(V(0.5, 1.0, next_use=5.0), 0.0)    # 1 > 0.5: recompute
+    assert cap.evaluate(V(0.5, 1.0, next_use=5.0, has_host_copy=True), 0.0)  # nothing exposed
+    # Read soon: 0.8 s of the copy back is exposed too.
+    assert not cap.evaluate(V(1.5, 1.0, next_use=0.2), 0.0)    # 1.8 > 1.5
+    assert cap.evaluate(V(1.5, 1.0, next_use=0.2, evicted_ancestor_cost=1.0), 0.0)  # 1.8 < 2.5 (lineage)

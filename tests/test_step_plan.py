@@ -140,16 +140,29 @@ def test_values_released_at_their_last_forward_use_come_back_right_in_backward(m
 
 
 
-def _three_reads_step(rt, x, hosts):
+def _three_reads_step(x):
     """a, b, c made (positions 0-2), offloaded, one more op (3), then read in the order a, b, c
-    (4-6): the reverse of what newest-first prefetching brings back. ``hosts`` gets their host copies."""
+    (4-6): the reverse of what newest-first prefetching brings back."""
     a, b, c = x * 2, x * 3, x * 5
-    for name, t in zip("abc", (a, b, c)):
+    for t in (a, b, c):
         if not pymem._C.storage_is_evicted(t):  # the plan may have released it already
             pymem.evict(t)
-        hosts[name] = rt.table[pymem._C.storage_key(t)].host
     y = x + 1
     return [float(t.sum()) for t in (a + y, b + y, c + y)]
+
+
+def _spy_on_copies(rt, started):
+    """Which of a, b, c (by their bytes: x * 2, 3, 5 of ones) each copy back is, in ``started``
+    (name -> the runtime's op count then); every copy is done when asked (no timing in the test)."""
+    start, names = rt.swap.copier.start, {2.0: "a", 3.0: "b", 5.0: "c"}
+
+    def spy(dst, src):
+        started[names[float(src.view(torch.float32)[0])]] = rt.num_ops
+        handle = start(dst, src)
+        handle.result()
+        return handle
+
+    rt.swap.copier.start = spy
 
 
 def test_offloaded_values_come_back_in_the_order_the_plan_reads_them(managed):
@@ -157,16 +170,39 @@ def test_offloaded_values_come_back_in_the_order_the_plan_reads_them(managed):
     rt.swap.headroom = 0
     x = torch.ones(1 << 14)
     expected = [float((x * k + (x + 1)).sum()) for k in (2, 3, 5)]
-    started, hosts, start = [], {}, rt.swap.copier.start
-
-    def spy(dst, src):
-        started.append(next((name for name, h in hosts.items() if h is src), "?"))
-        return start(dst, src)
-
-    rt.swap.copier.start = spy
+    started = {}
+    _spy_on_copies(rt, started)
     for _ in range(4):
         started.clear()
-        assert _three_reads_step(rt, x, hosts) == expected
+        assert _three_reads_step(x) == expected
         pymem.step()
     assert rt.trace.following and pymem.memory_stats()["num_prefetches"] > 0
-    assert started == ["a", "b", "c"]  # the plan's order, each when its read is next
+    assert sorted(started, key=started.get) == ["a", "b", "c"]  # the plan's order
+    assert started["a"] < started["b"] < started["c"]  # each when its read is next
+
+
+def test_a_use_that_waited_for_its_copy_moves_the_copy_earlier_next_step(managed):
+    """Capuchin's feedback: when a use of a value waited for its copy back, the next step starts
+    that value's copy twice as far ahead of its read."""
+    rt = pymem.enable(budget="64MB", device="cpu", cost=FIXED, plan="auto", offload="always", prefetch=True)
+    rt.swap.headroom = 0
+    # One copy: 8 us, so three copies (the in-trigger) are 24 us, shorter than the 32 us of `a + y`.
+    rt.residency.link_bandwidth = (1 << 16) / 8e-6
+    x = torch.ones(1 << 14)
+    started = {}
+    _spy_on_copies(rt, started)
+    for _ in range(3):
+        started.clear()
+        _three_reads_step(x)
+        pymem.step()
+    assert rt.trace.following and started["b"] > started["a"]  # b's copy waits for its read to near
+    assert pymem.memory_stats()["num_late_uses"] == 0
+    done = rt.swap.copier.done
+    rt.swap.copier.done = lambda handle: False  # every copy is still running when its use comes
+    _three_reads_step(x)
+    pymem.step()
+    rt.swap.copier.done = done
+    assert pymem.memory_stats()["num_late_uses"] >= 3
+    started.clear()
+    assert _three_reads_step(x) == [float((x * k + (x + 1)).sum()) for k in (2, 3, 5)]
+    assert started["b"] == started["a"]  # now b's copy starts with a's, one op earlier

@@ -217,12 +217,12 @@ def test_offload_and_bring_back_are_labelled_in_the_snapshot(rt):
 def test_offload_settings_are_checked(rt):
     pymem.disable()
     with pytest.raises(ValueError, match="offload 'sometimes' is not accepted; accepted: None \\(by device\\), "
-                                         "'always', 'delta', 'never'"):
+                                         "'always', 'capuchin', 'delta', 'never'"):
         pymem.enable(MiB, offload="sometimes")
     with pytest.raises(ValueError, match="prefetch must be True or False, got 'yes'"):
         pymem.enable(MiB, prefetch="yes")
     assert not pymem.is_enabled()
-    assert director_names() == ["always", "delta", "never"]
+    assert director_names() == ["always", "capuchin", "delta", "never"]
 
 
 def test_without_offloading_the_swap_stats_are_there_and_zero():
@@ -269,3 +269,13 @@ def test_the_host_cap_turns_offloads_into_evictions(managed):
     assert stats["num_host_refused"] > 0, stats
     # What did not fit the cap was evicted (and recomputed) instead: both kinds in one run.
     assert stats["num_offloads"] > 0 and stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_capuchin_director_trains_bitwise_equal(managed, name):
+    """offload="capuchin": from the step plan, each released value is swapped where its copy hides
+    behind compute before its next use, recomputed where that costs less, evicted where the step
+    does not read it again. On a link as slow as the median value's recompute, both kinds."""
+    stats = _run_with_bandwidth(managed, name, 0.3, _median_bandwidth(name), offload="capuchin")
+    assert stats["num_offloads"] > 0 and stats["num_evictions"] > 0, stats
+    assert stats["plan_hits"] > 0

@@ -14,7 +14,8 @@ evicted ancestors), ``dtr-local``, ``lru``, ``size``,
 
 Directors (``director.py``) decide, for a value chosen for release, between offloading it to host
 memory and evicting it: ``delta`` (offload when the round trip is cheaper than the recompute),
-``never``, ``always``.
+``capuchin`` (from the step plan: offload when the copy hides behind compute before the next use,
+or its exposed part costs less than the recompute), ``never``, ``always``.
 """
 from .base import Policy, TensorView, get_policy, policy_names, register
 from .director import Director, director_names, get_director, register_director

@@ -78,3 +78,28 @@ class Always(Director):
 
     def evaluate(self, t: TensorView, now: float) -> bool:
         return True
+
+
+@register_director
+class Capuchin(Director):
+    """Capuchin's choice between swapping and recomputing, from the step plan: a value is offloaded
+    when its transfer hides behind the compute before its next use, and otherwise only when the
+    part of it left exposed still costs less than the recompute (c plus the evicted ancestors it
+    would redo, MSPS's lineage). The copy out is exposed (it completes before the buffer is freed);
+    the copy back runs ahead of use, over the d planned seconds until the next use. A value the step
+    does not read again (d infinite) is evicted: that costs nothing. Where no plan says (the first
+    steps, a step that left its plan), DELTA's rule decides."""
+
+    name = "capuchin"
+
+    def __init__(self) -> None:
+        self.fallback = Delta()
+
+    def evaluate(self, t: TensorView, now: float) -> bool:
+        d = t.next_use
+        if d is None:
+            return self.fallback.evaluate(t, now)
+        if d == float("inf"):
+            return False
+        exposed = (0.0 if t.has_host_copy else t.swap_cost) + max(0.0, t.swap_cost - d)
+        return exposed < t.compute_cost + t.evicted_ancestor_cost

@@ -10,7 +10,9 @@ buffers on the CPU device (outside the arena), pinned memory on CUDA.
 Prefetch, in the order of next use: while the step follows its plan (step_plan.h), the offloaded
 value the plan reads first comes back first (its position is fixed while it is away, since nothing
 reads it then, so a heap keyed by it stays right), and not before its read is a few copy times
-away (Capuchin's in-trigger: memory the plan freed early is not filled again at once). Values the plan cannot
+away (Capuchin's in-trigger: memory the plan freed early is not filled again at once). A use that
+still had to wait for its copy (Capuchin's feedback) makes that value's copy start twice as far
+ahead in the steps to come (``num_late_uses``). Values the plan cannot
 place (no plan yet, a step that diverged, no read left in the step) fall back to DELTA's
 prefetcher: the backward pass reads offloaded activations roughly in the reverse order of their
 offload, so the newest whose storage is still alive comes first. Either way a value comes back only
@@ -38,6 +40,7 @@ _perf = time.perf_counter
 _PREFETCH_DEPTH = 2  # copies in flight at most
 _MIN_CHUNK, _MAX_CHUNK = 2 << 20, 256 << 20  # the host pool's chunk, bounds
 _LEAD = 3.0  # a planned copy back starts when its value's read is this many copy times away
+_MAX_LEAD_BOOST = 64.0  # at most this many times further ahead after late uses (feedback)
 _NONE = float("inf")  # StepTrace.next_use_at: no read left in the step
 
 
@@ -181,6 +184,10 @@ class Swapper:
         self.prefetched_bytes = 0
         self.num_prefetches_cancelled = 0
         self.num_leaf_offloads = 0  # offloads of values with no recipe (offload_leaves)
+        # In-trigger boosts by trace value (Capuchin's feedback): how many times further ahead of
+        # its read a value's copy back starts, doubled each time a use of it had to wait.
+        self.lead: Dict[int, float] = {}
+        self.num_late_uses = 0
         self.seconds = 0.0  # the calling thread's time in copies and waits
 
     # ------------------------------------------------------------------ out
@@ -239,17 +246,22 @@ class Swapper:
         self._prune_at = max(4096, 2 * len(self.offloaded))
 
     # ------------------------------------------------------------------ in
-    def copy_in(self, r: Record):
+    def copy_in(self, r: Record, for_use: bool = True):
         """(device buffer holding r's value, how it came): the prefetched one if a copy is in
-        flight ("prefetch"), else a new one copied from the host copy now ("swap in")."""
+        flight ("prefetch"), else a new one copied from the host copy now ("swap in").
+        ``for_use``: an op (or a recompute) needs it now; a wait then is late (feedback, below)."""
         flight = self.in_flight.pop(r, None)
         t0 = _perf()
         if flight is not None:
             buf, handle = flight
+            if for_use and not self.copier.done(handle):
+                self._late(r)
             self.copier.wait(handle)
             self.num_prefetches += 1
             self.prefetched_bytes += r.nbytes
         else:
+            if for_use:
+                self._late(r)
             buf = self.rt.allocating(_blank, r.nbytes, self.rt.device)
             with own_work():
                 self.copier.copy(buf, r.host)
@@ -257,6 +269,16 @@ class Swapper:
             self.swapped_in_bytes += r.nbytes
         self.seconds += _perf() - t0
         return buf, "swap in" if flight is None else "prefetch"
+
+    def _late(self, r: Record) -> None:
+        """Capuchin's feedback: a use of r waited for its copy back, so in the steps to come its copy
+        starts twice as far ahead (per value of the step trace, while the step follows its plan)."""
+        plan = self.rt.residency.plan
+        if plan is None or plan.seconds_to_next_use(r) is None:
+            return  # no plan placed it: nothing to move earlier
+        self.num_late_uses += 1
+        v = r.trace_value
+        self.lead[v] = min(self.lead.get(v, 1.0) * 2.0, _MAX_LEAD_BOOST)
 
     # ------------------------------------------------------------------ prefetch
     def after_op(self) -> None:
@@ -280,7 +302,7 @@ class Swapper:
                 # In-trigger: not before its read is a few copies away (a value the plan released
                 # early stays away until then); None: the step left its plan, bring it when it fits.
                 d = plan.seconds_to_next_use(r)
-                if d is not None and d > _LEAD * r.swap_cost:
+                if d is not None and d > _LEAD * self.lead.get(r.trace_value, 1.0) * r.swap_cost:
                     return
             # Best fit takes the largest free block last: a contiguous headroom stays either way.
             if arena.largest_free_block < r.nbytes + self.headroom:
@@ -303,7 +325,7 @@ class Swapper:
         return r.evicted and r.host is not None and r not in self.in_flight and s is not None and s.alive
 
     def _adopt(self, r: Record) -> None:
-        buf, how = self.copy_in(r)
+        buf, how = self.copy_in(r, for_use=False)
         s = r.sref
         if s is not None and r.evicted and s.alive:  # else no tensor wants it any more: dropped
             self.rt.residency.bring_back(r, buf, self.rt.clock, how)
@@ -340,6 +362,7 @@ class Swapper:
             "prefetched_bytes": self.prefetched_bytes,
             "num_prefetches_cancelled": self.num_prefetches_cancelled,
             "num_leaf_offloads": self.num_leaf_offloads,
+            "num_late_uses": self.num_late_uses,
             "swap_seconds": self.seconds,
             **self.host.stats(),
         }
@@ -349,7 +372,8 @@ class Swapper:
 NO_SWAP_STATS = {k: 0 for k in ("num_offloads", "offloaded_bytes", "offload_copied_bytes", "num_swap_ins",
                                 "swapped_in_bytes", "num_prefetches", "prefetched_bytes", "num_prefetches_cancelled",
                                 "host_bytes", "host_bytes.peak", "host_reserved_bytes", "num_host_chunks",
-                                "num_host_allocs", "num_host_pending", "num_host_refused", "num_leaf_offloads")}
+                                "num_host_allocs", "num_host_pending", "num_host_refused", "num_leaf_offloads",
+                                "num_late_uses")}
 NO_SWAP_STATS["host_budget"] = 0
 NO_SWAP_STATS["swap_seconds"] = 0.0
 
