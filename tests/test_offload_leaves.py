@@ -5,8 +5,12 @@ activations-only release allows."""
 import pytest
 import torch
 
+import torch.nn as nn
+import torch.nn.functional as F
+
 import pymem
-from pymem.demo_models import wide_trainer
+import runtime_models as rm
+from pymem.demo_models import gpt_trainer, wide_trainer
 from bitwise_harness import assert_bitwise_equal, budget_at, measure_peak, run_managed, run_unmanaged
 
 torch.set_num_threads(2)
@@ -72,3 +76,71 @@ def test_a_leaf_dominated_model_trains_bitwise_at_0_4_of_its_peak(managed):
     assert_bitwise_equal("parameters", ref_state, state)
     assert stats["allocated_bytes.peak"] <= budget
     assert stats["num_leaf_offloads"] > 0 and stats["num_swap_ins"] + stats["num_prefetches"] > 0, stats
+
+
+def _below_the_recompute_floor(make, ratio, steps=3):
+    """At ``ratio`` of ``make``'s peak: releasing activations only (recompute) cannot make room;
+    with leaves offloaded the run is bitwise equal to the unmanaged one and within the budget.
+    Returns the managed run's stats."""
+    ref_out, ref_state, _ = run_unmanaged(make, steps)
+    budget = budget_at(measure_peak(make, steps), ratio)
+    with pytest.raises(pymem.OutOfBudgetError):
+        run_managed(make, steps, budget, offload="never")
+    out, state, stats, _, _ = run_managed(make, steps, budget, offload="always")
+    assert_bitwise_equal("outputs", ref_out, out)
+    assert_bitwise_equal("parameters", ref_state, state)
+    assert stats["allocated_bytes.peak"] <= budget and stats["num_leaf_offloads"] > 0, stats
+    return stats
+
+
+def test_a_transformer_trains_bitwise_below_the_recompute_floor(managed):
+    _below_the_recompute_floor(lambda: gpt_trainer(batch=4, seq=128), 0.18)
+
+
+def test_a_cnn_with_batchnorm_trains_bitwise_below_the_recompute_floor(managed):
+    _below_the_recompute_floor(lambda: rm.trainer("cnn"), 0.25, steps=5)
+
+
+class UNet(nn.Module):
+    """Skip connections across the network: in backward, gradients wait for the skip path while
+    full-resolution convolutions run (issue 15's case: infeasible at 0.5 without leaves offloaded)."""
+
+    def __init__(self, c=16):
+        super().__init__()
+
+        def block(i, o):
+            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.BatchNorm2d(o), nn.ReLU())
+
+        self.enc1, self.enc2 = block(3, c), block(c, c)
+        self.down, self.mid = block(c, 2 * c), block(2 * c, 2 * c)
+        self.up = nn.ConvTranspose2d(2 * c, c, 2, stride=2)
+        self.dec1, self.dec2 = block(2 * c, c), block(c, c)
+        self.head = nn.Conv2d(c, 3, 1)
+
+    def forward(self, x):
+        s1 = self.enc1(x)
+        s2 = self.enc2(s1)
+        m = self.mid(self.down(F.max_pool2d(s2, 2)))
+        d = self.dec2(self.dec1(torch.cat([self.up(m), s2], 1)))
+        return self.head(d + s1)
+
+
+def _unet_trainer():
+    torch.manual_seed(0)
+    model = UNet()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, y = torch.randn(8, 3, 64, 64), torch.randn(8, 3, 64, 64)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    step.model = model
+    return step
+
+
+def test_a_unet_with_skip_connections_trains_bitwise_at_half_its_peak(managed):
+    _below_the_recompute_floor(_unet_trainer, 0.5)
