@@ -62,7 +62,7 @@ def test_log_variable_reports_enable_and_a_summary_at_exit():
     ("PYMEM_DEVICE", "tpu", "PYMEM_DEVICE='tpu' is not a device; accepted: 'cpu', 'cuda', 'cuda:N'"),
     ("PYMEM_LOG", "loud", "PYMEM_LOG='loud' is not a log level; accepted: debug, info, warning, error"),
     ("PYMEM_ALLOCATOR", "slab", "PYMEM_ALLOCATOR='slab' is not an allocator; accepted: arena, native"),
-    ("PYMEM_OFFLOAD", "sometimes", "PYMEM_OFFLOAD='sometimes' is not accepted; accepted: always, delta, never"),
+    ("PYMEM_OFFLOAD", "sometimes", "PYMEM_OFFLOAD='sometimes' is not accepted; accepted: always, capuchin, delta, never"),
     ("PYMEM_PREFETCH", "yes", "PYMEM_PREFETCH='yes' is not accepted; accepted: 0, 1"),
     ("PYMEM_PLAN", "always", "PYMEM_PLAN='always' is not accepted; accepted: auto, off"),
     ("PYMEM_HOST_BUDGET", "lots", "PYMEM_HOST_BUDGET: host_budget 'lots' is not accepted"),
