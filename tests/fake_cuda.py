@@ -52,15 +52,20 @@ class FakeCuda:
         self.table = t
 
     # table entries
-    def _malloc(self, pptr, size):
-        if self.fail_malloc:
-            return self.fail_malloc
+    @staticmethod
+    def _take(pptr, size, buffers, sizes, failure):
+        """A 512-aligned ctypes buffer of ``size`` bytes into ``buffers`` (kept alive), or ``failure``."""
+        if failure:
+            return failure
         buf = ctypes.create_string_buffer(size + 512)
         addr = align(ctypes.addressof(buf))
-        self.buffers[addr] = buf
-        self.mallocs.append(size)
+        buffers[addr] = buf
+        sizes.append(size)
         pptr[0] = addr
         return 0
+
+    def _malloc(self, pptr, size):
+        return self._take(pptr, size, self.buffers, self.mallocs, self.fail_malloc)
 
     def _free(self, ptr):
         self.frees.append(ptr)
@@ -68,14 +73,7 @@ class FakeCuda:
         return 0
 
     def _host_alloc(self, pptr, size, flags):
-        if self.fail_host_alloc:
-            return self.fail_host_alloc
-        buf = ctypes.create_string_buffer(size + 512)
-        addr = align(ctypes.addressof(buf))
-        self.host_buffers[addr] = buf
-        self.host_allocs.append(size)
-        pptr[0] = addr
-        return 0
+        return self._take(pptr, size, self.host_buffers, self.host_allocs, self.fail_host_alloc)
 
     def _free_host(self, ptr):
         self.host_frees.append(ptr)
