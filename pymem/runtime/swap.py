@@ -4,8 +4,9 @@ it (prefetch), as the director (``pymem.policies.director``) chooses per value.
 A record's value never changes (an in-place op makes a new record), so a host copy stays valid for
 the record's life: the record keeps it (``Record.host``), bringing the value back leaves it in
 place, and releasing the value again copies nothing. It goes when no tensor holds the value any
-more (the next sweep: each pressure event starts with one), or when a leaf is written in place. Host copies live outside the budget: host
-buffers on the CPU device (outside the arena), pinned memory on CUDA.
+more (the next sweep: each pressure event starts with one), or when a leaf is written in place.
+Host copies live outside the budget, in the host pool (csrc/host_pool.h): host memory on the CPU
+device (outside the arena), pinned memory on CUDA, capped by ``host_budget``.
 
 Prefetch, in the order of next use: while the step follows its plan (step_plan.h), the offloaded
 value the plan reads first comes back first (its position is fixed while it is away, since nothing
@@ -29,7 +30,6 @@ import time
 import weakref
 from typing import Dict, List, Optional, Tuple
 
-import numpy as np
 import torch
 
 from .. import _C
@@ -196,8 +196,8 @@ class Swapper:
 
     def copy_out(self, r: Record, sref) -> bool:
         """Give ``r`` a host copy of its value (held in ``sref``), unless it has one. False when the
-        host pool's cap leaves no room: the caller evicts instead (every offloaded value has a
-        recipe)."""
+        host pool's cap leaves no room: the caller evicts instead (a leaf is released only after
+        the pool said it fits, residency.releasable)."""
         if r.host is None:
             t0 = _perf()
             with own_work():  # not ops of the program (pymem.evict runs under the mode)
