@@ -167,15 +167,17 @@ def unmanaged_peak(program) -> int:
 @settings(max_examples=int(os.environ.get("PYMEM_PROPERTY_EXAMPLES", "40")), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(program=st.lists(step, min_size=1, max_size=25), policy=st.sampled_from(["dtr", "lru", "coop"]),
        allocator=st.sampled_from(["arena", "native"]), sampling=st.booleans(), ratio=st.sampled_from([0.75, 0.5]),
-       intercept=st.sampled_from(["dispatcher", "mode"]))
-def test_random_programs_are_bitwise_equal_under_a_tight_budget(program, policy, allocator, sampling, ratio, intercept):
+       intercept=st.sampled_from(["dispatcher", "mode"]), offload=st.sampled_from(["never", "always"]))
+def test_random_programs_are_bitwise_equal_under_a_tight_budget(program, policy, allocator, sampling, ratio, intercept,
+                                                                offload):
     want = run(program, managed=False)
     # A share of the program's peak, plus the arena's small region: the pressure handler must release.
     budget = int(ratio * unmanaged_peak(program)) // 512 * 512 + 64 * 1024
     prior = os.environ.get("PYMEM_INTERCEPT")
     os.environ["PYMEM_INTERCEPT"] = intercept  # both ways of seeing ops, the default and the mode
     try:
-        pymem.enable(budget, policy=policy, allocator=allocator, sampling=sampling)
+        # "always": every released value goes to host memory, leaves (gradients, parameters) too
+        pymem.enable(budget, policy=policy, allocator=allocator, sampling=sampling, offload=offload)
     finally:
         if prior is None:
             del os.environ["PYMEM_INTERCEPT"]
