@@ -99,9 +99,8 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     device = _resolve_device(device)
     if allocator is None:
         allocator = "arena"
-    check_choices(policy, allocator, sampling, cost, offload, prefetch, plan=plan)  # a typo first, by name
-    if offload_leaves is not None and not isinstance(offload_leaves, bool):
-        raise ValueError(f"offload_leaves must be None (by offload), True or False, got {offload_leaves!r}")
+    check_choices(policy, allocator, sampling, cost, offload, prefetch, plan=plan,
+                  offload_leaves=offload_leaves)  # a typo first, by name
     nbytes = parse_budget(budget, device)
     host_nbytes = parse_host_budget(host_budget)
     settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch, plan, host_nbytes,

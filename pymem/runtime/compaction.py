@@ -65,7 +65,7 @@ def movable_blocks(rt) -> Dict[int, tuple]:
     """addr -> (record, StorageRef, releasable) for every block of the main region that may move now."""
     lo, hi = rt.lo, rt.main_hi
     busy = _busy_addresses(rt)
-    releasable = rt.residency.releasable
+    leaf_ok = rt.residency.leaf_releasable
     out = {}
     for r in rt.table.values():
         s = r.sref
@@ -73,7 +73,7 @@ def movable_blocks(rt) -> Dict[int, tuple]:
             continue
         addr = s.data_ptr
         if lo <= addr < hi and addr not in busy:
-            out[addr] = (r, s, r.in_arena and not r.locks and releasable(r))
+            out[addr] = (r, s, r.in_arena and not r.locks and (r.recipe is not None or leaf_ok(r)))
     for r, (s, _) in rt.cache.items():
         addr = s.data_ptr
         if lo <= addr < hi and addr not in busy:

@@ -100,12 +100,12 @@ class PressureHandler:
     def _candidates(self, waiting: bool = False):
         """Every value we may release now: never inputs of a running op (locked); inputs a pending
         recompute waits for only when ``waiting``."""
-        releasable = self.rt.residency.releasable
+        leaf_ok = self.rt.residency.leaf_releasable
         for r in self.rt.table.values():
             # alive: a collection inside the handler (the Python it runs) may free a storage after the
             # request's sweep
             if not r.evicted and r.locks == 0 and r.in_arena and not r.pins and (waiting or r.waits == 0) and \
-                    releasable(r) and r.sref.alive:
+                    (r.recipe is not None or leaf_ok(r)) and r.sref.alive:
                 yield r, r.sref
         for r, (sref, _) in self.rt.cache.items():
             if r.recipe is not None and r.locks == 0 and (waiting or r.waits == 0):
@@ -141,7 +141,8 @@ class PressureHandler:
         arena, now, cost = rt.arena, rt.clock, rt.policy.block_cost
         owners = {}
         for r in rt.table.values():  # owner 0: not releasable; resets the window
-            if r.in_arena and not r.evicted and (r.locks or r.waits or r.pins or not rt.residency.releasable(r)):
+            if r.in_arena and not r.evicted and (r.locks or r.waits or r.pins or
+                                                 (r.recipe is None and not rt.residency.leaf_releasable(r))):
                 addr = r.sref.data_ptr
                 if addr:
                     arena.set_owner(addr, 0, 0.0)

@@ -45,12 +45,10 @@ class Residency:
         return s is not None and not r.evicted and s.alive
 
     # ------------------------------------------------------------------ release
-    def releasable(self, r: Record) -> bool:
-        """Whether r's value could leave memory (the caller checks locks, pins and waits): it has a
-        recipe, or it is a leaf, leaves are offloaded, and the host pool has room for it. A leaf's
-        return costs its copy only: that is its cost for the policy."""
-        if r.recipe is not None:
-            return True
+    def leaf_releasable(self, r: Record) -> bool:
+        """Whether leaf r (no recipe) could leave memory now (the caller checks locks, pins and
+        waits; a value with a recipe always can): leaves are offloaded and the host pool has room
+        for it. A leaf's return costs its copy only: that is its cost for the policy, set here."""
         if not self.offload_leaves or not self.swap.host.fits(r.nbytes):
             return False
         r.compute_cost = 2 * r.swap_cost  # out and back

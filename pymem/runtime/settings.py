@@ -65,7 +65,7 @@ def check_device(device, allocator: str) -> torch.device:
 
 
 def check_choices(policy="dtr", allocator: str = "arena", sampling: bool = False, cost=None, offload=None,
-                  prefetch: bool = True, link_bandwidth=None, plan: str = "auto") -> None:
+                  prefetch: bool = True, link_bandwidth=None, plan: str = "auto", offload_leaves=None) -> None:
     """Every setting but the budget and the device, which need the device looked at (and on CUDA that
     must wait for pymem.enable's check of CUDA's initialisation order): a ValueError that names the
     bad one and what is accepted."""
@@ -83,6 +83,8 @@ def check_choices(policy="dtr", allocator: str = "arena", sampling: bool = False
         raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
     if plan not in PLANS:
         raise ValueError(f"plan {plan!r} is not accepted; accepted: {_accepted(PLANS)}")
+    if offload_leaves is not None and not isinstance(offload_leaves, bool):
+        raise ValueError(f"offload_leaves must be None (by offload), True or False, got {offload_leaves!r}")
     if link_bandwidth is not None and not (isinstance(link_bandwidth, (int, float)) and link_bandwidth > 0):
         raise ValueError(f"link_bandwidth must be a positive number of bytes per second, got {link_bandwidth!r}")
     if not isinstance(policy, Policy):
@@ -112,7 +114,7 @@ def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sam
     names the bad one and what is accepted. ``policy`` / ``offload``: a name or an instance; ``cost``
     and ``offload`` None: by device (measured and never on the CPU, estimate and delta on CUDA)."""
     policy = policy if isinstance(policy, Policy) else get_policy(policy)
-    check_choices(policy, allocator, sampling, cost, offload, prefetch, link_bandwidth, plan)
+    check_choices(policy, allocator, sampling, cost, offload, prefetch, link_bandwidth, plan, offload_leaves)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
         raise ValueError(f"budget must be a positive int of bytes here, got {budget!r}")
     if host_budget is not None and (not isinstance(host_budget, int) or isinstance(host_budget, bool) or host_budget <= 0):
@@ -122,8 +124,6 @@ def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sam
     if offload is None:
         offload = "never" if on_cpu else "delta"
     director = offload if isinstance(offload, Director) else get_director(offload)
-    if offload_leaves is not None and not isinstance(offload_leaves, bool):
-        raise ValueError(f"offload_leaves must be None (by offload), True or False, got {offload_leaves!r}")
     if offload_leaves is None:  # the lowest floor where anything is offloaded
         offload_leaves = director.name != "never"
     elif offload_leaves and director.name == "never":

@@ -49,12 +49,11 @@ class HostMemory:
     pinned on CUDA, with an optional cap (``host_budget``)."""
 
     def __init__(self, device: torch.device, budget: int, cap: Optional[int]) -> None:
-        self.pinned = device.type == "cuda"
         # Large chunks, so no pinned allocation on the hot path once the first step took what the
         # steady state needs; an eighth of the device budget is a few offloaded activations' worth.
         chunk = min(max(budget // 8, _MIN_CHUNK), _MAX_CHUNK)
         table = 0
-        if self.pinned:
+        if device.type == "cuda":
             from ..cuda_lib import load  # the CUDA runtime table (cudaHostAlloc, events)
 
             table = load().runtime_table()
@@ -71,10 +70,6 @@ class HostMemory:
         """An async copy reading or writing ``buf`` was enqueued on ``stream``: its block is reused
         only after the copy completed."""
         self.pool.record_use(buf, stream.cuda_stream)
-
-    @property
-    def bytes(self) -> int:
-        return self.pool.stats()["host_bytes"]
 
     def describe(self) -> str:
         s = self.pool.stats()
