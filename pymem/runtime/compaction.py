@@ -16,10 +16,10 @@ Cost: one memmove of the segment's surviving blocks. It replaces evictions that 
 would have forced (a window cannot span a parameter), and DTR-style runtimes that grow past the
 budget instead (a caching allocator's fragmentation) are not an option under a hard cap.
 """
-import math
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List
 
 from .. import _C
+from .. import compaction_plan as _plan
 from .. import snapshot as _snap
 from .records import Record
 
@@ -31,17 +31,6 @@ def _relocate(rt, movable: Dict[int, tuple], old: int, new: int) -> None:
         size = -(-r.nbytes // _C.ALIGNMENT) * _C.ALIGNMENT  # the block's size, as the arena logs it
         rt.arena.history_note("free_completed", old, size, f"pymem compact {r.op} (moved out)")
         rt.arena.history_note("alloc", new, size, f"pymem compact {r.op} (moved in)")
-
-
-class _Segment:
-    __slots__ = ("free", "holes", "movable", "releasable", "blocks")
-
-    def __init__(self) -> None:
-        self.blocks: List[Tuple[int, int, bool]] = []  # (addr, size, allocated), address order
-        self.free = 0
-        self.holes: List[Tuple[int, int]] = []       # free blocks (addr, size)
-        self.movable: List[Tuple[int, int]] = []     # blocks that may move (addr, size), address order
-        self.releasable: List[Tuple] = []            # (score, record, addr, size)
 
 
 def _busy_addresses(rt) -> set:
@@ -81,77 +70,12 @@ def movable_blocks(rt) -> Dict[int, tuple]:
     return out
 
 
-def _segments(rt, movable: Dict[int, tuple]) -> List[_Segment]:
-    now, evaluate = rt.clock, rt.policy.evaluate
-    segments = [_Segment()]
-    for b in rt.arena.blocks():
-        if b.region != "main":
-            break
-        seg = segments[-1]
-        if not b.allocated:
-            seg.blocks.append((b.addr, b.size, False))
-            seg.free += b.size
-            seg.holes.append((b.addr, b.size))
-            continue
-        m = movable.get(b.addr)
-        if m is None:  # cannot move: ends the segment
-            segments.append(_Segment())
-            continue
-        seg.blocks.append((b.addr, b.size, True))
-        seg.movable.append((b.addr, b.size))
-        if m[2]:  # waited-on inputs of a pending recompute go last
-            r = m[0]
-            seg.releasable.append(((r.waits > 0, r.need_rank, evaluate(r, now)), r, b.addr, b.size))
-    return segments
-
-
-def _evacuate(target: _Segment, segments: List[_Segment], deficit: int) -> Tuple[list, int]:
-    """Moves of target's blocks into free blocks of other segments (largest block first, best fit)
-    until `deficit` bytes are covered or nothing more fits. Returns the moves and what is left."""
-    holes = [[a, n] for seg in segments if seg is not target for a, n in seg.holes]
-    if not holes:
-        return [], deficit
-    moves = []
-    for addr, size in sorted(target.movable, key=lambda x: -x[1]):
-        if deficit <= 0:
-            break
-        fit = None
-        for h in holes:
-            if h[1] >= size and (fit is None or h[1] < fit[1]):
-                fit = h
-        if fit is None:
-            continue
-        moves.append((addr, fit[0]))
-        fit[0] += size
-        fit[1] -= size
-        deficit -= size
-    return moves, deficit
-
-
 def plan(rt, request: int, movable: Dict[int, tuple]):
-    """(segment, moves out of it, records to release in it) so that ``request`` fits after the
-    segment is compacted, at least release cost (then fewest bytes moved); None when none can."""
-    now, cost_of = rt.clock, rt.policy.block_cost
-    segments = _segments(rt, movable)
-    best, best_key = None, (math.inf, math.inf)
-    for seg in segments:
-        moves, deficit = _evacuate(seg, segments, request - seg.free)
-        victims, cost = [], 0.0
-        if deficit > 0:
-            moved = {a for a, _ in moves}
-            pool = sorted((x for x in seg.releasable if x[2] not in moved), key=lambda x: x[0])
-            if sum(x[3] for x in pool) < deficit:
-                continue
-            for _, r, _, size in pool:
-                victims.append(r)
-                cost += cost_of(r, now)
-                deficit -= size
-                if deficit <= 0:
-                    break
-        moved_bytes = sum(n for _, n in seg.movable)
-        if cost < best_key[0] or (cost == best_key[0] and moved_bytes < best_key[1]):
-            best, best_key = (seg, moves, victims), (cost, moved_bytes)
-    return best
+    """compaction_plan.plan on the arena now: waited-on inputs of a pending recompute are released
+    last, the one needed soonest last of all."""
+    now, evaluate, cost = rt.clock, rt.policy.evaluate, rt.policy.block_cost
+    return _plan.plan(rt.arena.blocks(), request, movable, lambda r: (r.waits > 0, r.need_rank, evaluate(r, now)),
+                      lambda r: cost(r, now))
 
 
 def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
@@ -192,42 +116,11 @@ def compact_for(rt, request: int) -> bool:
     released = {id(r) for r in victims}
     gone = {a for a, _ in moves} | {a for _, r, a, _ in seg.releasable if id(r) in released}
     try:
-        slid = _slide(rt, movable, _cheapest_window(seg, gone, request))
+        slid = _slide(rt, movable, _plan.cheapest_window(seg, gone, request))
     except ValueError:  # stale in the same way
         slid = False
     del keep
     return bool(moves or victims or slid)
-
-
-def _cheapest_window(seg: _Segment, gone: set, request: int) -> List[int]:
-    """The blocks to slide so that ``request`` fits, once the blocks at the addresses in ``gone``
-    (moved out, released) are free: of the runs of the segment that end with a free block and
-    hold ``request`` free bytes, the one with the fewest allocated bytes to move (sliding up
-    gathers a run's free bytes at its bottom). Sliding the whole segment would move everything in
-    it, most of the arena when few blocks are pinned. The whole segment when no run holds enough."""
-    blocks = [(a, n, used and a not in gone) for a, n, used in seg.blocks]
-    best, best_cost = None, None
-    i, free, used = 0, 0, 0
-    for j, (_, size, allocated) in enumerate(blocks):
-        if allocated:
-            used += size
-            continue
-        free += size
-        # Shrink from the left while the run still holds enough: drop leading allocated blocks
-        # (they need not move) and leading free blocks that are not needed.
-        while i < j:
-            _, s_i, alloc_i = blocks[i]
-            if alloc_i:
-                used -= s_i
-            elif free - s_i >= request:
-                free -= s_i
-            else:
-                break
-            i += 1
-        if free >= request and (best_cost is None or used < best_cost):
-            best, best_cost = (i, j), used
-    lo, hi = best if best is not None else (0, len(blocks) - 1)
-    return [a for a, _, allocated in blocks[lo:hi + 1] if allocated]
 
 
 def defragment_after_failure(rt) -> bool:

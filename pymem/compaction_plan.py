@@ -1,0 +1,122 @@
+"""Compaction planning, on a picture of the arena (its blocks in address order) and of what may
+move or be released: which segment between unmovable blocks to clear, what to move out of it and
+what to release in it so that a request fits once the segment slides together. Pure: the runtime
+(runtime/compaction.py) and the simulator (sim/replay.py) both plan with it and carry the plan out.
+"""
+import math
+from typing import Callable, Dict, List, Tuple
+
+
+class _Segment:
+    __slots__ = ("free", "holes", "movable", "releasable", "blocks")
+
+    def __init__(self) -> None:
+        self.blocks: List[Tuple[int, int, bool]] = []  # (addr, size, allocated), address order
+        self.free = 0
+        self.holes: List[Tuple[int, int]] = []       # free blocks (addr, size)
+        self.movable: List[Tuple[int, int]] = []     # blocks that may move (addr, size), address order
+        self.releasable: List[Tuple] = []            # (score, record, addr, size)
+
+
+def _segments(blocks, movable: Dict[int, tuple], release_key: Callable) -> List[_Segment]:
+    segments = [_Segment()]
+    for b in blocks:
+        if b.region != "main":
+            break
+        seg = segments[-1]
+        if not b.allocated:
+            seg.blocks.append((b.addr, b.size, False))
+            seg.free += b.size
+            seg.holes.append((b.addr, b.size))
+            continue
+        m = movable.get(b.addr)
+        if m is None:  # cannot move: ends the segment
+            segments.append(_Segment())
+            continue
+        seg.blocks.append((b.addr, b.size, True))
+        seg.movable.append((b.addr, b.size))
+        if m[2]:
+            seg.releasable.append((release_key(m[0]), m[0], b.addr, b.size))
+    return segments
+
+
+def _evacuate(target: _Segment, segments: List[_Segment], deficit: int) -> Tuple[list, int]:
+    """Moves of target's blocks into free blocks of other segments (largest block first, best fit)
+    until `deficit` bytes are covered or nothing more fits. Returns the moves and what is left."""
+    holes = [[a, n] for seg in segments if seg is not target for a, n in seg.holes]
+    if not holes:
+        return [], deficit
+    moves = []
+    for addr, size in sorted(target.movable, key=lambda x: -x[1]):
+        if deficit <= 0:
+            break
+        fit = None
+        for h in holes:
+            if h[1] >= size and (fit is None or h[1] < fit[1]):
+                fit = h
+        if fit is None:
+            continue
+        moves.append((addr, fit[0]))
+        fit[0] += size
+        fit[1] -= size
+        deficit -= size
+    return moves, deficit
+
+
+def plan(blocks, request: int, movable: Dict[int, tuple], release_key: Callable, block_cost: Callable):
+    """(segment, moves out of it, values to release in it) so that ``request`` fits after the
+    segment is compacted, at least release cost (then fewest bytes moved); None when none can.
+    ``blocks``: the arena's blocks in address order; ``movable``: addr -> (value, handle,
+    releasable) for the blocks that may move; ``release_key(value)``: the order values are
+    released in (lowest first); ``block_cost(value)``: what releasing it costs."""
+    segments = _segments(blocks, movable, release_key)
+    best, best_key = None, (math.inf, math.inf)
+    for seg in segments:
+        moves, deficit = _evacuate(seg, segments, request - seg.free)
+        victims, cost = [], 0.0
+        if deficit > 0:
+            moved = {a for a, _ in moves}
+            pool = sorted((x for x in seg.releasable if x[2] not in moved), key=lambda x: x[0])
+            if sum(x[3] for x in pool) < deficit:
+                continue
+            for _, r, _, size in pool:
+                victims.append(r)
+                cost += block_cost(r)
+                deficit -= size
+                if deficit <= 0:
+                    break
+        moved_bytes = sum(n for _, n in seg.movable)
+        if cost < best_key[0] or (cost == best_key[0] and moved_bytes < best_key[1]):
+            best, best_key = (seg, moves, victims), (cost, moved_bytes)
+    return best
+
+
+def cheapest_window(seg: _Segment, gone: set, request: int) -> List[int]:
+    """The blocks to slide so that ``request`` fits, once the blocks at the addresses in ``gone``
+    (moved out, released) are free: of the runs of the segment that end with a free block and
+    hold ``request`` free bytes, the one with the fewest allocated bytes to move (sliding up
+    gathers a run's free bytes at its bottom). Sliding the whole segment would move everything in
+    it, most of the arena when few blocks are pinned. The whole segment when no run holds enough."""
+    blocks = [(a, n, used and a not in gone) for a, n, used in seg.blocks]
+    best, best_cost = None, None
+    i, free, used = 0, 0, 0
+    for j, (_, size, allocated) in enumerate(blocks):
+        if allocated:
+            used += size
+            continue
+        free += size
+        # Shrink from the left while the run still holds enough: drop leading allocated blocks
+        # (they need not move) and leading free blocks that are not needed.
+        while i < j:
+            _, s_i, alloc_i = blocks[i]
+            if alloc_i:
+                used -= s_i
+            elif free - s_i >= request:
+                free -= s_i
+            else:
+                break
+            i += 1
+        if free >= request and (best_cost is None or used < best_cost):
+            best, best_cost = (i, j), used
+    lo, hi = best if best is not None else (0, len(blocks) - 1)
+    return [a for a, _, allocated in blocks[lo:hi + 1] if allocated]

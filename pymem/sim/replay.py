@@ -1,0 +1,424 @@
+"""Replay a Trace under a budget: what the runtime would release, recompute and copy, and what that
+costs, at a scale no machine here has (issue 16's simulator).
+
+The pieces are the runtime's own: the C++ arena (``virtual`` backing: addresses, no memory) places
+every value, searches windows and compacts; the policy and director classes of ``pymem.policies``
+choose; ``pymem.compaction_plan`` plans compactions; DTR's evicted neighbourhood is the same
+union-find. Only the bookkeeping around them is the simulator's, and it follows the runtime's
+(``runtime/run_op``, ``pressure.py``, ``remat.py``):
+
+- an op first brings its inputs back (an evicted one is recomputed from its producer's inputs,
+  recursively; an offloaded one is copied back), locks them, allocates its fresh outputs (an
+  in-place op's output takes over the bytes of the value it rewrote), runs, and advances the
+  clock by its cost; then the values that die after it are freed;
+- under pressure the handler releases the lowest-scoring value one at a time while the bytes
+  released for the request fall short of it, and compacts once they do not (Coop's window search
+  for ``coop``); a released value is offloaded when the director says so (leaves are only ever
+  offloaded, and only when offloading is on), evicted otherwise;
+- costs: an op's seconds from the GPU cost model (``launch + max(flops / rate, bytes /
+  bandwidth)``, pymem.gpus) or as the trace recorded them; a copy out is exposed (it completes
+  before its buffer is reused) and so is a copy back (no prefetch is modelled: the
+  ``copy_seconds_hidden`` this reports is 0 until it is).
+
+Overhead = (the step's own seconds + recomputes + exposed copies) / the step's own seconds.
+Deterministic: nothing here reads a timer or a random number.
+"""
+import bisect
+import math
+import sys
+from typing import Dict, List, Optional
+
+import numpy as np
+
+from .. import _C
+from .. import compaction_plan
+from ..errors import OutOfBudgetError
+from ..gpus import LAUNCH_SECONDS, gpu_spec
+from ..policies import EvictedNeighbourhood, Planned, get_director, get_policy
+from .trace import Trace
+
+NEW, RESIDENT, EVICTED, OFFLOADED, GONE = range(5)
+THRASH = 2.0  # overhead above which a run counts as thrashing
+
+
+class SimError(RuntimeError):
+    """The trace asks for something the replay cannot do (a value read before it is made, or one
+    that is gone with no way back)."""
+
+
+class _Value:
+    """One value of the trace, as a policy sees it (pymem.policies.TensorView)."""
+
+    __slots__ = ("sim", "index", "nbytes", "compute_cost", "last_access", "recipe", "state", "addr", "locks",
+                 "host", "dead")
+
+    def __init__(self, sim: "Simulator", index: int, nbytes: int, recipe: bool) -> None:
+        self.sim, self.index, self.nbytes, self.recipe = sim, index, nbytes, recipe
+        self.compute_cost = 0.0
+        self.last_access = 0.0
+        self.state = NEW
+        self.addr = 0
+        self.locks = 0
+        self.host = False   # a valid host copy exists
+        self.dead = False   # the program freed it: it lives on only for recomputes that read it
+
+    @property
+    def evicted_neighbour_cost(self) -> float:
+        return self.sim.neighbourhood.neighbour_cost(self.sim.neighbours(self.index))
+
+    @property
+    def evicted_ancestor_cost(self) -> float:
+        sim = self.sim
+        total, seen = 0.0, set()
+        stack = list(sim.parents(self.index)) if self.recipe else []
+        while stack and len(seen) < 64:
+            r = sim.values[stack.pop()]
+            if r.index in seen or r.state == RESIDENT:
+                continue
+            seen.add(r.index)
+            if r.host:
+                total += r.swap_cost
+                continue
+            total += r.compute_cost
+            if r.recipe:
+                stack.extend(sim.parents(r.index))
+        return total
+
+    @property
+    def swap_cost(self) -> float:
+        return self.nbytes / self.sim.link_bytes_per_s
+
+    @property
+    def has_host_copy(self) -> bool:
+        return self.host
+
+    @property
+    def next_use(self) -> Optional[float]:
+        return self.sim.seconds_to_next_use(self.index, 8) if self.sim.planned else None
+
+
+class Simulator:
+    """``Simulator(trace, budget, policy="dtr", offload="never", plan="off", device="h100").run()``
+    -> the result dict (see ``run``). ``device=None`` replays the costs the trace recorded."""
+
+    def __init__(self, trace: Trace, budget: int, policy: str = "dtr", offload: str = "never", plan: str = "off",
+                 device: Optional[str] = "h100", search: str = "handler", link_bytes_per_s: Optional[float] = None) -> None:
+        if plan not in ("auto", "off"):
+            raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
+        if not isinstance(budget, (int, np.integer)) or budget <= 0:
+            raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
+        self.trace, self.budget = trace, int(budget) // _C.ALIGNMENT * _C.ALIGNMENT  # the arena's unit
+        base_policy = get_policy(policy)
+        self.policy = Planned(base_policy) if plan == "auto" else base_policy
+        self.planned = plan == "auto"
+        self.director = get_director(offload)
+        self.offload_leaves = offload != "never"
+        self.uses_window = policy == "coop"
+        self.seconds = _op_seconds(trace, device)
+        if link_bytes_per_s is None:
+            link_bytes_per_s = gpu_spec(device).host_bytes_per_s if device else 32e9
+        self.link_bytes_per_s = float(link_bytes_per_s)
+        # As the runtime's (hooks.py): the handler searches windows itself, when it wants one.
+        self.arena = _C.Arena(self.budget, "virtual", search=search)
+        self.arena.set_pressure_handler(self._on_pressure)
+        self.neighbourhood = EvictedNeighbourhood()
+        n, m = trace.num_ops, trace.num_values
+        self.values: List[_Value] = [_Value(self, v, int(trace.value_bytes[v]), bool(trace.value_recomputable[v]))
+                                     for v in range(m)]
+        self.by_addr: Dict[int, _Value] = {}
+        # readers[v]: ops that read v, ascending; children[v]: values made by those ops
+        readers: List[List[int]] = [[] for _ in range(m)]
+        for k in range(n):
+            for v in trace.op_inputs(k):
+                if not readers[v] or readers[v][-1] != k:
+                    readers[v].append(k)
+        self.readers = readers
+        self.before = np.concatenate([[0.0], np.cumsum(self.seconds)])  # planned seconds before op k
+        self.frees_after: Dict[int, List[int]] = {}
+        for v, k in enumerate(trace.value_free_at):
+            if k >= 0 and trace.value_producer[v] <= k:
+                self.frees_after.setdefault(int(k), []).append(v)
+        self.clock = 0.0
+        self.position = 0
+        self.recompute_seconds = 0.0
+        self.copy_seconds = 0.0
+        self.evictions = self.offloads = self.recomputes = self.copies_back = 0
+        self._allocs, self._freed = -1, 0
+
+    # --- the graph ---
+    def parents(self, v: int):
+        p = int(self.trace.value_producer[v])
+        return self.trace.op_inputs(p) if p >= 0 else ()
+
+    def neighbours(self, v: int) -> List[int]:
+        out = [int(i) for i in self.parents(v)] if self.values[v].recipe else []
+        for k in self.readers[v]:
+            out.extend(int(c) for c in self.trace.op_outputs(k))
+        return out
+
+    def seconds_to_next_use(self, v: int, depth: int) -> float:
+        """Planned seconds from now to the next op reading v, or reading it through the recompute of
+        an evicted value made from it (``depth`` levels of those); inf: none this step."""
+        r = self.readers[v]
+        i = bisect.bisect_left(r, self.position)
+        d = self.before[r[i]] - self.before[self.position] if i < len(r) else math.inf
+        if depth:
+            for k in self.readers[v][:i]:  # ops already run: their outputs may be evicted now
+                for c in self.trace.op_outputs(k):
+                    cv = self.values[c]
+                    if cv.state == EVICTED and not cv.dead and cv.recipe:
+                        d = min(d, self.seconds_to_next_use(int(c), depth - 1))
+        return d
+
+    # --- memory ---
+    def _allocate(self, v: _Value) -> None:
+        if v.nbytes == 0:
+            v.addr = 0
+        else:
+            try:
+                v.addr = self.arena.allocate(v.nbytes, owner=v.index + 1)
+            except OutOfBudgetError as e:
+                raise _OOM(str(e)) from None
+            self.by_addr[v.addr] = v
+        v.state = RESIDENT
+
+    def _free(self, v: _Value) -> None:
+        if v.addr:
+            self.by_addr.pop(v.addr, None)
+            self.arena.free(v.addr)
+        v.addr = 0
+
+    def _release(self, v: _Value) -> int:
+        """Offload or evict a resident, unlocked value: its bytes are free after."""
+        if not v.recipe or self.director.evaluate(v, self.clock):
+            if not v.host:
+                self._spend_copy(v.swap_cost)
+                v.host = True
+            v.state = OFFLOADED
+            self.offloads += 1
+        else:
+            v.state = EVICTED
+            self.neighbourhood.on_evict(v.index, v.compute_cost, self.neighbours(v.index))
+            self.evictions += 1
+        self._free(v)
+        return v.nbytes
+
+    def _spend_copy(self, seconds: float) -> None:
+        self.copy_seconds += seconds
+        self.clock += seconds
+
+    def _releasable(self, v: _Value) -> bool:
+        return v.state == RESIDENT and v.locks == 0 and v.nbytes > 0 and (v.recipe or self.offload_leaves)
+
+    # --- the pressure handler (pressure.py's protocol) ---
+    def _on_pressure(self, request: int, window) -> None:
+        allocs = self.arena.num_allocs
+        if allocs != self._allocs:
+            self._allocs, self._freed = allocs, 0
+        if self.uses_window:
+            if not self._release_window(request, window) and not self._compact(request):
+                self._release_lowest()
+        elif self._freed < request:
+            freed = self._release_lowest()
+            self._freed += freed
+            if not freed:
+                self._compact(request)
+        elif not self._compact(request):
+            self._release_window(request, None)
+
+    def _release_lowest(self) -> int:
+        evaluate, now = self.policy.evaluate, self.clock
+        best, best_score = None, math.inf
+        for v in self.by_addr.values():
+            if self._releasable(v):
+                s = evaluate(v, now)
+                if s < best_score:
+                    best, best_score = v, s
+        return self._release(best) if best is not None else 0
+
+    def _release_window(self, request: int, window) -> bool:
+        cost, now = self.policy.block_cost, self.clock
+        for v in self.by_addr.values():
+            self.arena.set_owner(v.addr, v.index + 1 if self._releasable(v) else 0,
+                                 cost(v, now) if self._releasable(v) else 0.0)
+        w = self.arena.find_window(request)
+        if w is None:
+            return False
+        for owner in w.owners:
+            v = self.values[owner - 1]
+            if self._releasable(v):
+                self._release(v)
+        return True
+
+    def _compact(self, request: int) -> bool:
+        movable = {a: (v, None, self._releasable(v)) for a, v in self.by_addr.items() if v.locks == 0}
+        evaluate, cost, now = self.policy.evaluate, self.policy.block_cost, self.clock
+        chosen = compaction_plan.plan(self.arena.blocks(), request, movable, lambda v: evaluate(v, now),
+                                      lambda v: cost(v, now))
+        if chosen is None:
+            return False
+        seg, moves, victims = chosen
+        for old, new in moves:
+            self.arena.move_block(old, new)
+            self._moved(old, new)
+        for v in victims:
+            if self._releasable(v):
+                self._release(v)
+        gone = {a for a, _ in moves} | {a for _, v, a, _ in seg.releasable if v in victims}
+        for old, new in self.arena.compact(compaction_plan.cheapest_window(seg, gone, request)):
+            self._moved(old, new)
+        return True
+
+    def _moved(self, old: int, new: int) -> None:
+        v = self.by_addr.pop(old)
+        v.addr = new
+        self.by_addr[new] = v
+
+    # --- running the step ---
+    def _materialize(self, v: _Value) -> None:
+        if v.state == RESIDENT:
+            return
+        if v.state == OFFLOADED:
+            self._allocate(v)
+            self._spend_copy(v.swap_cost)
+            self.copies_back += 1
+            return
+        if v.state != EVICTED or not v.recipe:
+            raise SimError(f"value {v.index} is read at op {self.position} but was "
+                           f"{'never made' if v.state == NEW else 'freed with no way back'}")
+        p = int(self.trace.value_producer[v.index])
+        ins = [self.values[i] for i in self.trace.op_inputs(p)]
+        self._lock_inputs(ins)
+        try:
+            self._allocate(v)
+        finally:
+            self._unlock_inputs(ins)
+        self.neighbourhood.on_rematerialize(v.index)
+        cost = self.seconds[p]
+        self.clock += cost
+        self.recompute_seconds += cost
+        self.recomputes += 1
+        v.last_access = self.clock
+        for i in ins:
+            i.last_access = self.clock
+            if i.dead and i.locks == 0 and i.state == RESIDENT:
+                self._drop(i)
+
+    def _lock_inputs(self, ins: List[_Value]) -> None:
+        for i in ins:  # each input is locked once back, so bringing back the next cannot release it
+            try:
+                self._materialize(i)
+            except BaseException:
+                self._unlock_inputs(ins[:ins.index(i)])
+                raise
+            i.locks += 1
+
+    @staticmethod
+    def _unlock_inputs(ins: List[_Value]) -> None:
+        for i in ins:
+            i.locks -= 1
+
+    def _drop(self, v: _Value) -> None:
+        """The program freed v: its bytes go; a recipe keeps it reachable for recomputes (as an
+        evicted value, in DTR's neighbourhood like one)."""
+        if v.state == RESIDENT:
+            self._free(v)
+        if v.state in (RESIDENT, OFFLOADED):
+            if v.recipe:
+                self.neighbourhood.on_evict(v.index, v.compute_cost, self.neighbours(v.index))
+            v.state = EVICTED if v.recipe else GONE
+        v.host = False
+
+    def _run_op(self, k: int) -> None:
+        t = self.trace
+        self.position = k
+        ins = [self.values[i] for i in t.op_inputs(k)]
+        self._lock_inputs(ins)
+        try:
+            for o in t.op_outputs(k):
+                v = self.values[o]
+                w = int(t.value_overwrites[o])
+                if w >= 0 and self.values[w].state == RESIDENT:  # in place: v takes over w's bytes
+                    old = self.values[w]
+                    v.addr, old.addr = old.addr, 0
+                    if v.addr:
+                        self.by_addr[v.addr] = v
+                        self.arena.set_owner(v.addr, v.index + 1, 0.0)
+                    v.state = RESIDENT
+                    old.dead = True
+                    old.state = EVICTED if old.recipe else GONE
+                    if old.recipe:
+                        self.neighbourhood.on_evict(old.index, old.compute_cost, self.neighbours(old.index))
+                else:
+                    self._allocate(v)
+        finally:
+            self._unlock_inputs(ins)
+        cost = self.seconds[k]
+        self.clock += cost
+        for i in ins:
+            i.last_access = self.clock
+        for o in t.op_outputs(k):
+            v = self.values[o]
+            v.last_access, v.compute_cost = self.clock, cost
+        for d in self.frees_after.get(k, ()):
+            v = self.values[d]
+            v.dead = True
+            if v.locks == 0:
+                self._drop(v)
+
+    def run(self) -> Dict:
+        """Replay the step once. Returns {"status": "ok" | "oom" | "thrash", "overhead",
+        "peak_bytes", "budget_bytes", "fragmentation", "evictions", "offloads",
+        "recompute_seconds", "copy_seconds_hidden", ...}."""
+        t = self.trace
+        status, error = "ok", None
+        limit = sys.getrecursionlimit()
+        sys.setrecursionlimit(max(limit, 4 * t.num_ops + 1000))  # a recompute recurses along its chain
+        try:
+            for v in np.flatnonzero(t.value_producer < 0):  # made before the step: resident at its start
+                self._allocate(self.values[int(v)])
+            for k in range(t.num_ops):
+                self._run_op(k)
+        except _OOM as e:
+            status, error = "oom", str(e)
+        finally:
+            sys.setrecursionlimit(limit)
+        base = float(self.seconds.sum())
+        total = base + self.recompute_seconds + self.copy_seconds
+        overhead = total / base if base > 0 else 1.0
+        if status == "ok" and overhead > THRASH:
+            status = "thrash"
+        st = self.arena.stats()
+        out = {"status": status, "overhead": overhead if status != "oom" else None,
+               "peak_bytes": int(st["allocated_bytes.peak"]), "budget_bytes": self.budget,
+               "fragmentation": float(st["fragmentation.pressure"]), "evictions": self.evictions,
+               "offloads": self.offloads, "recompute_seconds": self.recompute_seconds,
+               "copy_seconds_hidden": 0.0, "copy_seconds_exposed": self.copy_seconds,
+               "step_seconds": base, "recomputes": self.recomputes, "copies_back": self.copies_back,
+               "compactions": int(st["num_compactions"]), "moved_bytes": int(st["moved_bytes"]),
+               "ops_run": self.position + (status != "oom"), "num_ops": t.num_ops}
+        if error is not None:
+            out["error"] = error
+        return out
+
+
+class _OOM(Exception):
+    pass
+
+
+def _op_seconds(trace: Trace, device: Optional[str]) -> np.ndarray:
+    """Each op's seconds: on a GPU's published rates, or as the trace recorded them."""
+    if device is None:
+        if np.isnan(trace.op_cost).any():
+            raise ValueError("this trace recorded no op costs (captured on the meta device): give a device, "
+                             "e.g. device='h100'")
+        return trace.op_cost.astype(np.float64)
+    g = gpu_spec(device)
+    rate = np.where(trace.op_fp32 == 1, g.fp32_flops, g.tensor_flops)
+    seconds = LAUNCH_SECONDS + np.maximum(trace.op_flops / rate, trace.op_bytes / g.memory_bytes_per_s)
+    return np.where(trace.op_kernel == 1, seconds, 0.0)
+
+
+def simulate(trace: Trace, budget: int, **kw) -> Dict:
+    """One replay: ``Simulator(trace, budget, **kw).run()``."""
+    return Simulator(trace, budget, **kw).run()
