@@ -6,6 +6,12 @@
   pymem run    pymem run --budget 2GB [--policy P] [--allocator native] [--offload D] [--no-prefetch] [--plan off] [--host-budget 64GB]
                -- script.py args...: the script under pymem,
                a memory summary at exit
+  pymem trace  pymem trace MODEL_OR_SCRIPT --out step.npz [--batch N] [--dtype bf16]: one training step
+               captured on the meta device (no memory): gpt2-xl, llama-7b, resnet152, hf:TYPE,
+               hf:PATH/config.json, or a script.py (its second optimizer step)
+  pymem sim    pymem sim --trace step.npz [--format pymem|simrd] --policy dtr [--offload D] [--plan auto|off]
+               --budget 24GB | --budget-ratio 0.3 --device h100 [--json out.json]: replay the step
+               under the budget at GPU scale
   pymem info   version, build, CUDA library, device memory
 """
 import argparse
@@ -122,6 +128,62 @@ def cmd_run(args) -> int:
     return code
 
 
+def cmd_trace(args) -> int:
+    import torch
+
+    from .sim.capture import capture_model, capture_script
+
+    dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    try:
+        if args.model.endswith(".py"):
+            if not os.path.isfile(args.model):
+                raise ValueError(f"cannot open script {args.model!r}: no such file")
+            trace = capture_script(args.model, args.script_args)
+        else:
+            trace = capture_model(args.model, batch=args.batch, dtype=dtypes[args.dtype])
+        trace.save(args.out)
+    except (ValueError, OSError) as e:
+        print(f"pymem trace: {e}", file=sys.stderr)
+        return 2
+    print(f"pymem trace: {trace.meta.get('model', args.model)}: {trace.num_ops} ops, {trace.num_values} values, "
+          f"backward from op {trace.backward_at}, {trace.op_flops.sum() / 1e12:.1f} TFLOP, "
+          f"peak {_fmt(trace.peak_bytes())} unmanaged -> {args.out}")
+    return 0
+
+
+def cmd_sim(args) -> int:
+    import json
+
+    from .budget import parse_budget
+    from .sim.replay import simulate
+    from .sim.simrd import load_simrd
+    from .sim.trace import Trace, TraceError
+
+    try:
+        trace = Trace.load(args.trace) if args.format == "pymem" else load_simrd(args.trace, args.time_unit)
+        if (args.budget is None) == (args.budget_ratio is None):
+            raise ValueError("give one of --budget (e.g. 24GB) or --budget-ratio (a share of the unmanaged peak, e.g. 0.3)")
+        peak = trace.peak_bytes()
+        if args.budget is not None:
+            budget = parse_budget(args.budget, total=peak)
+        elif not 0 < args.budget_ratio:
+            raise ValueError(f"--budget-ratio must be positive, got {args.budget_ratio}")
+        else:
+            budget = int(peak * args.budget_ratio)
+        device = None if args.device == "recorded" else args.device
+        out = simulate(trace, budget, policy=args.policy, offload=args.offload, plan=args.plan, device=device)
+    except (ValueError, OSError, TraceError) as e:
+        print(f"pymem sim: {e}", file=sys.stderr)
+        return 2
+    out["unmanaged_peak_bytes"] = peak
+    text = json.dumps(out, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    return 0 if out["status"] == "ok" else 1
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pymem", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -148,6 +210,26 @@ def main(argv=None) -> int:
                    help='cap on host memory for offloaded values, e.g. "64GB" or "50%%" of RAM (default: none)')
     r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
     r.set_defaults(fn=cmd_run)
+    t = sub.add_parser("trace", help="capture one training step on the meta device: pymem trace gpt2-xl --out step.npz")
+    t.add_argument("model", help="gpt2-xl, llama-7b, resnet152, hf:TYPE, hf:PATH/config.json, or script.py")
+    t.add_argument("--out", required=True, help="the trace file to write (.npz)")
+    t.add_argument("--batch", type=int, default=None, help="batch size (default: the model's)")
+    t.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    t.add_argument("script_args", nargs="*", help="a script's arguments (after --)")
+    t.set_defaults(fn=cmd_trace)
+    s = sub.add_parser("sim", help="replay a trace under a budget at GPU scale")
+    s.add_argument("--trace", required=True)
+    s.add_argument("--format", default="pymem", choices=("pymem", "simrd"))
+    s.add_argument("--policy", default="dtr")
+    s.add_argument("--offload", default="never", help="never (the default), delta, capuchin or always")
+    s.add_argument("--plan", default="off", choices=("auto", "off"))
+    s.add_argument("--budget", default=None, help='bytes ("24GB") or a share of the unmanaged peak ("30%%")')
+    s.add_argument("--budget-ratio", type=float, default=None, help="a share of the trace's unmanaged peak")
+    s.add_argument("--device", default="h100",
+                   help="a GPU of pymem.gpus (h100, h200, gh200, a100, l4) or 'recorded': the trace's own op costs")
+    s.add_argument("--time-unit", type=float, default=1e-6, help="seconds per TIME unit of a simrd log")
+    s.add_argument("--json", default=None, help="also write the result here")
+    s.set_defaults(fn=cmd_sim)
     i = sub.add_parser("info", help="version, build, CUDA library, device memory")
     i.set_defaults(fn=cmd_info)
     args = ap.parse_args(argv)

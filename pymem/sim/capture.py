@@ -27,6 +27,7 @@ from ..cost_model import op_flops, tensor_bytes
 from .trace import Trace
 
 _HALF = (torch.bfloat16, torch.float16)
+_SCALAR = torch.ops.aten._local_scalar_dense.default
 
 
 class _Booking(TorchDispatchMode):
@@ -48,6 +49,7 @@ class _Booking(TorchDispatchMode):
         self.current: Dict[int, int] = {}  # id(storage) -> its value now
         self.backward_at = -1
         self.closed = False
+        self.booking = True  # False: ops run unbooked (a script's steps before the traced one)
         self._finalizers: List[weakref.finalize] = []
 
     # --- values ---
@@ -77,6 +79,10 @@ class _Booking(TorchDispatchMode):
     # --- ops ---
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is _SCALAR and args[0].is_meta:  # .item() on meta: there is no value; 0 lets a script's logging go on
+            return 0.0 if args[0].dtype.is_floating_point else (False if args[0].dtype == torch.bool else 0)
+        if not self.booking:
+            return func(*args, **kwargs)
         flat_in = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         ins: List[int] = []
         for t in flat_in:  # read before the op runs: a pre-step value first seen here is an input
@@ -175,3 +181,47 @@ def capture_model(name: str, batch: Optional[int] = None, dtype: torch.dtype = t
     step, meta = model_step(name, batch=batch, dtype=dtype)
     step()
     return capture(step, meta)
+
+
+class _Traced(Exception):
+    """Raised out of the script's optimizer step once its traced step is complete."""
+
+
+def capture_script(path: str, argv: Optional[List[str]] = None, meta: Optional[Dict] = None) -> Trace:
+    """The Trace of a training script's second step (between the ends of its first and second
+    optimizer steps), run with the meta device as the default device. The script must make its
+    tensors on the default device (no ``.cuda()``); ``.item()`` reads 0, so data-dependent control
+    flow follows one branch. The script stops once the step is traced."""
+    import runpy
+    import sys
+
+    booking = _Booking()
+    booking.booking = False
+    steps = [0]
+
+    def after_step(optimizer, args, kwargs):
+        steps[0] += 1
+        if steps[0] == 1:
+            booking.booking = True
+        elif steps[0] == 2:
+            raise _Traced()
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    handle = register_optimizer_step_post_hook(after_step)
+    old_argv, old_device = sys.argv, torch.get_default_device()
+    sys.argv = [path, *(argv or [])]
+    torch.set_default_device("meta")
+    try:
+        with booking:
+            runpy.run_path(path, run_name="__main__")
+    except _Traced:
+        pass
+    finally:
+        handle.remove()
+        torch.set_default_device(old_device)
+        sys.argv = old_argv
+    if steps[0] < 2:
+        raise ValueError(f"{path}: the script ended after {steps[0]} optimizer step(s); a trace needs two "
+                         f"(the second is traced: the first makes the optimizer's state)")
+    return booking.trace(dict(meta or {}, model=path))

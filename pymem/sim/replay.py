@@ -125,6 +125,9 @@ class Simulator:
         n, m = trace.num_ops, trace.num_values
         self.values: List[_Value] = [_Value(self, v, int(trace.value_bytes[v]), bool(trace.value_recomputable[v]))
                                      for v in range(m)]
+        for v in self.values:  # a leaf's return costs its copies, out and back (residency.leaf_releasable)
+            if not v.recipe:
+                v.compute_cost = 2 * v.swap_cost
         self.by_addr: Dict[int, _Value] = {}
         # readers[v]: ops that read v, ascending; children[v]: values made by those ops
         readers: List[List[int]] = [[] for _ in range(m)]
@@ -144,6 +147,8 @@ class Simulator:
         self.copy_seconds = 0.0
         self.evictions = self.offloads = self.recomputes = self.copies_back = 0
         self._allocs, self._freed = -1, 0
+        self.released: List[int] = []  # values released under pressure, in order (the decisions)
+        self.released_at: List[int] = []  # the op running (or recomputing for) at each
 
     # --- the graph ---
     def parents(self, v: int):
@@ -190,7 +195,9 @@ class Simulator:
 
     def _release(self, v: _Value) -> int:
         """Offload or evict a resident, unlocked value: its bytes are free after."""
-        if not v.recipe or self.director.evaluate(v, self.clock):
+        self.released.append(v.index)
+        self.released_at.append(self.position)
+        if not v.recipe or (not v.dead and self.director.evaluate(v, self.clock)):
             if not v.host:
                 self._spend_copy(v.swap_cost)
                 v.host = True
@@ -299,10 +306,8 @@ class Simulator:
         self.recompute_seconds += cost
         self.recomputes += 1
         v.last_access = self.clock
-        for i in ins:
+        for i in ins:  # a dead input stays, releasable, as the runtime's cache keeps it (remat.py)
             i.last_access = self.clock
-            if i.dead and i.locks == 0 and i.state == RESIDENT:
-                self._drop(i)
 
     def _lock_inputs(self, ins: List[_Value]) -> None:
         for i in ins:  # each input is locked once back, so bringing back the next cannot release it
@@ -359,7 +364,9 @@ class Simulator:
             i.last_access = self.clock
         for o in t.op_outputs(k):
             v = self.values[o]
-            v.last_access, v.compute_cost = self.clock, cost
+            v.last_access = self.clock
+            if v.recipe:
+                v.compute_cost = cost
         for d in self.frees_after.get(k, ()):
             v = self.values[d]
             v.dead = True

@@ -159,7 +159,8 @@ def from_step_arrays(step: Dict[str, np.ndarray], op_name, meta: Optional[Dict] 
     n, m = len(op), len(step["value_bytes"])
     inputs_start, inputs = np.asarray(step["inputs_start"]), np.asarray(step["inputs"])
     producer = np.asarray(step["value_producer"], dtype=np.int32)
-    recomputable = np.asarray(step["value_recomputable"], dtype=np.uint8)
+    # A value made before the step has no producer here to replay: a leaf of this step.
+    recomputable = np.where(producer >= 0, np.asarray(step["value_recomputable"]), 0).astype(np.uint8)
     last = producer.astype(np.int64).copy()
     for k in range(n):
         for v in inputs[inputs_start[k]:inputs_start[k + 1]]:

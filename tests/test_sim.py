@@ -1,0 +1,309 @@
+"""The simulator (pymem.sim, issue 16): capture on meta, the trace format, replay through the
+policies and the virtual arena, the simrd reader, the GPU cost model's arithmetic, and a step
+recorded by the runtime replaying with the runtime's own release decisions."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import pymem
+from pymem import cli
+from pymem.cost_model import CostModel
+from pymem.gpus import LAUNCH_SECONDS, gpu_spec
+from pymem.sim import Trace, TraceError, capture, from_step_arrays
+from pymem.sim.replay import Simulator, _op_seconds, simulate
+from pymem.sim.simrd import load_simrd, read_simrd
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "simrd_small.log")
+MiB = 1 << 20
+
+
+def _trace(ops, values, backward_at=-1):
+    """A hand-written Trace. ops: [(name, cost, [inputs], [outputs])];
+    values: [(bytes, producer, recomputable, free_at)]."""
+    ins = [list(o[2]) for o in ops]
+    outs = [list(o[3]) for o in ops]
+    names = sorted({o[0] for o in ops})
+    n, m = len(ops), len(values)
+    starts = lambda xs: np.concatenate([[0], np.cumsum([len(x) for x in xs])]).astype(np.int64)  # noqa: E731
+    t = Trace(op_names=names, op=np.array([names.index(o[0]) for o in ops], np.int32),
+              op_flops=np.zeros(n, np.int64), op_bytes=np.zeros(n, np.int64), op_fp32=np.zeros(n, np.uint8),
+              op_kernel=np.ones(n, np.uint8), op_cost=np.array([o[1] for o in ops], np.float64),
+              inputs_start=starts(ins), inputs=np.array([v for x in ins for v in x], np.int32),
+              outputs_start=starts(outs), outputs=np.array([v for x in outs for v in x], np.int32),
+              value_bytes=np.array([v[0] for v in values], np.int64),
+              value_producer=np.array([v[1] for v in values], np.int32),
+              value_recomputable=np.array([v[2] for v in values], np.uint8),
+              value_free_at=np.array([v[3] for v in values], np.int32),
+              value_overwrites=np.full(m, -1, np.int32), backward_at=backward_at)
+    t.check()
+    return t
+
+
+def _cheap_and_costly():
+    """x (a leaf) -> A (cost 1) and B (cost 10); D (cost 1) is a temporary that needs a fourth
+    block while x, A and B are resident; then E reads A and B. The only release that helps is A or
+    B, and the right one is A: recomputing it costs 1, B 10."""
+    ops = [("cheap", 1.0, [0], [1]), ("costly", 10.0, [0], [2]), ("temp", 1.0, [0], [3]),
+           ("sum", 1.0, [1, 2], [4])]
+    values = [(MiB, -1, 0, -1), (MiB, 0, 1, 3), (MiB, 1, 1, 3), (MiB, 2, 1, 2), (1024, 3, 1, -1)]
+    return _trace(ops, values)
+
+
+# --- replay ---------------------------------------------------------------------------------
+def test_infinite_budget_gives_overhead_one():
+    t = _cheap_and_costly()
+    out = simulate(t, 1 << 30, device=None)
+    assert out["status"] == "ok" and out["overhead"] == 1.0
+    assert out["evictions"] == out["offloads"] == 0 and out["recompute_seconds"] == 0.0
+    assert out["peak_bytes"] == t.peak_bytes() == 4 * MiB  # x, A, B and D while D is made, as unmanaged
+
+
+@pytest.mark.parametrize("policy", ["dtr", "dtr-chain", "msps", "lru", "coop"])
+def test_known_optimal_release(policy):
+    # 4 MiB: the small region (budget/64) leaves room for three 1 MiB blocks in the main region, not four.
+    out = simulate(_cheap_and_costly(), 4 * MiB, policy=policy, device=None)
+    assert out["status"] == "ok"
+    assert out["evictions"] == 1 and out["recompute_seconds"] == 1.0  # A went, and came back once
+    assert out["overhead"] == pytest.approx(14.0 / 13.0)
+    assert out["peak_bytes"] <= out["budget_bytes"] == 4 * MiB
+
+
+def test_too_small_a_budget_is_oom_with_the_reason():
+    out = simulate(_cheap_and_costly(), 2 * MiB, device=None)
+    assert out["status"] == "oom" and out["overhead"] is None
+    assert "out of budget" in out["error"]
+
+
+def test_thrash_above_twice_the_step():
+    # A chain whose every value is read at the end: at a budget of a few blocks, the reads recompute
+    # most of the chain again.
+    k = 12
+    ops = [("f", 1.0, [i], [i + 1]) for i in range(k)] + [("g", 1.0, list(range(1, k + 1)), [k + 1])]
+    values = [(MiB, -1, 0, -1)] + [(MiB, i, 1, k) for i in range(k)] + [(1024, k, 1, -1)]
+    out = simulate(_trace(ops, values), 4 * MiB, policy="lru", device=None)
+    assert out["status"] in ("thrash", "oom")
+    if out["status"] == "thrash":
+        assert out["overhead"] > 2.0
+
+
+def test_replay_is_deterministic():
+    t = _cheap_and_costly()
+    assert simulate(t, 4 * MiB, device=None) == simulate(t, 4 * MiB, device=None)
+
+
+def test_offloading_a_leaf_copies_it_out_and_back():
+    # x is a leaf: with offloading off nothing can make room for D; with it on, x goes to the host.
+    ops = [("a", 1.0, [0], [1]), ("b", 1.0, [1], [2]), ("c", 1.0, [1, 2], [3]), ("d", 1.0, [0, 3], [4])]
+    values = [(MiB, -1, 0, -1), (MiB, 0, 0, -1), (MiB, 1, 0, -1), (MiB, 2, 0, -1), (1024, 3, 1, -1)]
+    t = _trace(ops, values)
+    assert simulate(t, 4 * MiB, device=None)["status"] == "oom"
+    out = simulate(t, 4 * MiB, device=None, offload="always", link_bytes_per_s=MiB)  # 1 s per copy
+    assert out["status"] == "ok" and out["offloads"] >= 1
+    assert out["copies_back"] >= 1 and 2.0 <= out["copy_seconds_exposed"] <= 2.0 * out["offloads"]
+    assert out["overhead"] == pytest.approx((4.0 + out["copy_seconds_exposed"]) / 4.0)
+
+
+def test_bad_arguments_are_refused():
+    t = _cheap_and_costly()
+    with pytest.raises(ValueError, match="unknown policy 'nope'"):
+        Simulator(t, 4 * MiB, policy="nope", device=None)
+    with pytest.raises(ValueError, match="plan must be"):
+        Simulator(t, 4 * MiB, plan="yes", device=None)
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        Simulator(t, 0, device=None)
+    captured = Trace(**{**t.__dict__, "op_cost": np.full(t.num_ops, np.nan)})
+    with pytest.raises(ValueError, match="recorded no op costs"):
+        Simulator(captured, 4 * MiB, device=None)
+
+
+# --- the GPU cost model -----------------------------------------------------------------------
+def test_op_seconds_on_a_gpu():
+    t = _cheap_and_costly()
+    t.op_flops[:] = [10**12, 0, 10**9, 0]
+    t.op_bytes[:] = [10**6, 10**10, 10**6, 0]
+    t.op_fp32[:] = [0, 0, 1, 0]
+    t.op_kernel[:] = [1, 1, 1, 0]
+    g = gpu_spec("h100")
+    s = _op_seconds(t, "h100")
+    assert s[0] == pytest.approx(LAUNCH_SECONDS + 10**12 / g.tensor_flops)   # compute-bound, tensor cores
+    assert s[1] == pytest.approx(LAUNCH_SECONDS + 10**10 / g.memory_bytes_per_s)  # memory-bound
+    assert s[2] == pytest.approx(LAUNCH_SECONDS + 10**9 / g.fp32_flops)      # fp32: no tensor cores
+    assert s[3] == 0.0                                                       # a view: no kernel
+    with pytest.raises(ValueError, match="unknown GPU 'x100'"):
+        _op_seconds(t, "x100")
+
+
+# --- the trace format -------------------------------------------------------------------------
+def test_trace_round_trips_and_refuses_bad_files(tmp_path):
+    t = _cheap_and_costly()
+    path = str(tmp_path / "step.npz")
+    t.save(path)
+    u = Trace.load(path)
+    for name in ("op", "op_cost", "inputs", "outputs", "value_bytes", "value_free_at"):
+        assert np.array_equal(getattr(t, name), getattr(u, name))
+    assert u.op_names == t.op_names
+    np.savez(str(tmp_path / "bad.npz"), op=np.zeros(3))
+    with pytest.raises(TraceError, match="missing"):
+        Trace.load(str(tmp_path / "bad.npz"))
+    (tmp_path / "text.npz").write_text("hello")
+    with pytest.raises(TraceError, match="not a pymem trace"):
+        Trace.load(str(tmp_path / "text.npz"))
+    broken = Trace(**{**t.__dict__, "value_producer": np.array([-1, 1, 1, 2, 3], np.int32)})
+    with pytest.raises(TraceError, match="producer does not list it"):
+        broken.check()
+
+
+# --- capture on meta --------------------------------------------------------------------------
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(256, 512), torch.nn.Linear(512, 256)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _steps(device, optimizer=True):
+    torch.manual_seed(0)
+    with torch.device(device):
+        net = _Net()
+        x = torch.randn(64, 256)
+    opt = torch.optim.Adam(net.parameters(), foreach=False)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        net(x).square().mean().backward()
+        if optimizer:
+            opt.step()
+    return step
+
+
+def test_capture_sees_ops_frees_mutations_and_backward():
+    step = _steps("meta")
+    step()
+    t = capture(step)
+    names = [t.op_name(k) for k in range(t.num_ops)]
+    assert t.backward_at > 0 and "backward" not in " ".join(names[:t.backward_at])
+    assert any("addmm" in n for n in names[:t.backward_at])
+    # Adam rewrites each parameter in place: new values that take over the old ones' bytes
+    rewritten = np.flatnonzero(t.value_overwrites >= 0)
+    assert len(rewritten) >= 4 * 3  # 4 parameters, each with exp_avg, exp_avg_sq and the parameter
+    assert not t.value_recomputable[rewritten].any()  # state rewritten in place: leaves
+    backward = [v for k in range(t.backward_at, t.num_ops) if "backward" in names[k] for v in t.op_outputs(k)]
+    assert backward and not t.value_recomputable[backward].any()  # no recipes in backward (as the runtime)
+    fwd = [v for k in range(t.backward_at) for v in t.op_outputs(k)]
+    assert t.value_recomputable[fwd].any()
+    assert (t.value_free_at[fwd] >= 0).any()  # activations die in the backward pass
+    # two matmuls forward, three backward (no gradient for the input): 2 * 64 * 256 * 512 FLOPs each
+    assert t.op_flops.sum() == 5 * 2 * 64 * 256 * 512
+
+
+def test_captured_peak_matches_the_cpu_peak():
+    """The meta capture's unmanaged peak is the bytes the same forward and backward pass holds at
+    its peak on the CPU (counted by a plain arena through the CPU allocator hook), to the byte.
+    (Buffers a kernel allocates inside one op are no value of the trace: CPU Adam's showed up as
+    0.9 MB more at its peak, outside what this compares.)"""
+    step = _steps("meta", optimizer=False)
+    step()
+    traced = capture(step).peak_bytes()
+    probe = pymem.Arena(1 << 30, small_threshold=0)
+    pymem.install_cpu_hook(probe)
+    try:
+        cpu_step = _steps("cpu", optimizer=False)
+        cpu_step()
+        probe.reset_peak_memory_stats()
+        cpu_step()
+    finally:
+        pymem.uninstall_cpu_hook()
+    measured = probe.stats()["allocated_bytes.peak"]
+    assert traced == measured
+
+
+def test_trace_cli_captures_a_script_and_sim_replays_it(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "net = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))\n"
+        "opt = torch.optim.SGD(net.parameters(), lr=0.1)\n"
+        "x = torch.randn(32, 64)\n"
+        "for i in range(10):\n"
+        "    opt.zero_grad()\n"
+        "    loss = net(x).square().mean()\n"
+        "    loss.backward()\n"
+        "    opt.step()\n"
+        "    print('loss', loss.item())\n")
+    out = str(tmp_path / "s.npz")
+    assert cli.main(["trace", str(script), "--out", out]) == 0
+    t = Trace.load(out)
+    assert t.backward_at > 0 and t.num_ops > 10
+    capsys.readouterr()
+    res = str(tmp_path / "r.json")
+    assert cli.main(["sim", "--trace", out, "--budget-ratio", "4", "--device", "l4", "--json", res]) == 0
+    got = json.loads(open(res).read())
+    assert got["status"] == "ok" and got["overhead"] == 1.0
+    assert set(got) >= {"status", "overhead", "peak_bytes", "budget_bytes", "fragmentation", "evictions",
+                        "offloads", "recompute_seconds", "copy_seconds_hidden"}
+    assert cli.main(["sim", "--trace", out, "--device", "l4"]) == 2
+    assert "give one of --budget" in capsys.readouterr().err
+
+
+def test_trace_cli_refuses_an_unknown_model(tmp_path, capsys):
+    assert cli.main(["trace", "gpt5", "--out", str(tmp_path / "x.npz")]) == 2
+    assert "unknown model 'gpt5'" in capsys.readouterr().err
+
+
+# --- simrd logs -------------------------------------------------------------------------------
+def test_simrd_reader_on_the_fixture():
+    t = load_simrd(FIXTURE)
+    assert t.op_names == ["mul", "view", "relu", "add_", "mul_backward"]
+    assert t.num_values == 6                                   # w, x, a, b, b after add_, c
+    assert t.value_producer.tolist() == [-1, -1, 0, 2, 3, 4]   # the view made no value
+    assert t.value_recomputable.tolist() == [0, 0, 1, 1, 1, 1]  # constants are leaves
+    # a: its names (a, its view av, its copy a2) all released after op 4; b's old value once add_
+    # rewrote it; b after add_ when COPY_FROM rebound b; c and the constants live on.
+    assert t.value_free_at.tolist() == [-1, -1, 4, 3, 4, -1]
+    assert t.backward_at == 4
+    assert t.op_cost.tolist() == pytest.approx([100e-6, 1e-6, 10e-6, 10e-6, 200e-6])
+    assert [list(t.op_inputs(k)) for k in range(5)] == [[1, 0], [2], [2], [3, 1], [4, 2]]
+    out = simulate(t, 1 << 30, device=None)
+    assert out["status"] == "ok" and out["overhead"] == 1.0
+
+
+def test_simrd_reader_errors_name_the_line():
+    with pytest.raises(TraceError, match="line 1: unknown INSTRUCTION 'JUMP'"):
+        read_simrd(['{"INSTRUCTION": "JUMP"}'])
+    with pytest.raises(TraceError, match="line 2: not JSON"):
+        read_simrd(['{"INSTRUCTION": "RELEASE", "NAME": "x"}', "{oops"])
+    with pytest.raises(TraceError, match="'y' is used before it is defined"):
+        read_simrd(['{"INSTRUCTION": "CALL", "RESULT": [], "NAME": "f", "ARGS": ["y"], "TIME": 1}'])
+
+
+# --- the runtime's trace replays with the runtime's decisions -------------------------------
+def _residual_chain(x):
+    hs = [x]
+    for _ in range(10):
+        hs.append(torch.tanh(hs[-1] * 1.01))
+    total = hs.pop(0) * 1.0
+    while hs:
+        total = total + hs.pop(0)
+    return total
+
+
+def test_runtime_trace_replays_with_the_runtime_decisions(managed):
+    budget = 6 * MiB
+    fixed = CostModel(3e10, 7e9, 4e-6)  # the same costs in the runtime and in the replay
+    rt = pymem.enable(budget=budget, device="cpu", cost=fixed, plan="auto", policy="lru")
+    with pymem.no_recompute():
+        x = torch.ones(1 << 18)  # a leaf in the arena
+    _residual_chain(x)
+    pymem.step()
+    step = rt.trace.last_step()
+    pymem.disable()
+    sim = Simulator(from_step_arrays(step, pymem._C.op_name), budget, policy="lru", device=None)
+    out = sim.run()
+    assert out["status"] == "ok" and len(step["released_value"]) > 10
+    assert sim.released == step["released_value"].tolist()
+    assert sim.released_at == step["released_at"].tolist()
