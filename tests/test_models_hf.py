@@ -29,6 +29,10 @@ pytestmark = pytest.mark.slow
 
 STEPS = 3
 RATIOS = (0.5, 0.4)
+# The CPU's convolution backward kernels allocate workspaces inside one op that pymem cannot release,
+# and their size varies with the CPU and its thread count: on one 2-core machine ResNet's lowest
+# feasible budget was 0.42 of its peak with 1-2 threads and above it with 4. Its low point is 0.45.
+LOW_RATIO = {"resnet": 0.45}
 B, T, V, D, L = 16, 64, 64, 32, 4  # batch, sequence, vocabulary, width, layers
 
 
@@ -150,8 +154,8 @@ def test_dropout_is_on():
         assert drops and all(m.training for m in drops), name
 
 
-@pytest.mark.parametrize("ratio", RATIOS)
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name, ratio", [(n, r if r != min(RATIOS) else LOW_RATIO.get(n, r))
+                                         for r in RATIOS for n in MODELS])
 def test_hf_model_trains_bitwise_under_budget(name, ratio, record_property, seeded_recomputes):
     peak, resident, (ref_losses, ref_state, ref_s) = measured(name)
     budget = budget_at(peak, ratio)

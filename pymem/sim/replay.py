@@ -17,13 +17,16 @@ union-find. Only the bookkeeping around them is the simulator's, and it follows 
   offloaded, and only when offloading is on), evicted otherwise;
 - costs: an op's seconds from the GPU cost model (``launch + max(flops / rate, bytes /
   bandwidth)``, pymem.gpus) or as the trace recorded them; a copy out is exposed (it completes
-  before its buffer is reused) and so is a copy back (no prefetch is modelled: the
-  ``copy_seconds_hidden`` this reports is 0 until it is).
+  before its buffer is reused); copies back run on one queue beside compute, started ahead of
+  use as swap.py starts them (the plan's next read first, ``_LEAD`` copy times ahead, at most
+  ``_PREFETCH_DEPTH`` in flight, only into free memory with the runtime's headroom), and an op
+  waits only for what is left of its inputs' copies: ``copy_seconds_hidden`` is the rest.
 
 Overhead = (the step's own seconds + recomputes + exposed copies) / the step's own seconds.
 Deterministic: nothing here reads a timer or a random number.
 """
 import bisect
+import heapq
 import math
 import sys
 from typing import Dict, List, Optional
@@ -35,6 +38,7 @@ from .. import compaction_plan
 from ..errors import OutOfBudgetError
 from ..gpus import LAUNCH_SECONDS, gpu_spec
 from ..policies import EvictedNeighbourhood, Planned, get_director, get_policy
+from ..runtime.swap import _LEAD, _PREFETCH_DEPTH
 from .trace import Trace
 
 NEW, RESIDENT, EVICTED, OFFLOADED, GONE = range(5)
@@ -50,7 +54,7 @@ class _Value:
     """One value of the trace, as a policy sees it (pymem.policies.TensorView)."""
 
     __slots__ = ("sim", "index", "nbytes", "compute_cost", "last_access", "recipe", "state", "addr", "locks",
-                 "host", "dead")
+                 "host", "dead", "ready_at")
 
     def __init__(self, sim: "Simulator", index: int, nbytes: int, recipe: bool) -> None:
         self.sim, self.index, self.nbytes, self.recipe = sim, index, nbytes, recipe
@@ -61,6 +65,7 @@ class _Value:
         self.locks = 0
         self.host = False   # a valid host copy exists
         self.dead = False   # the program freed it: it lives on only for recomputes that read it
+        self.ready_at = 0.0  # > 0: copied back ahead of use; its copy completes at this clock
 
     @property
     def evicted_neighbour_cost(self) -> float:
@@ -102,7 +107,8 @@ class Simulator:
     -> the result dict (see ``run``). ``device=None`` replays the costs the trace recorded."""
 
     def __init__(self, trace: Trace, budget: int, policy: str = "dtr", offload: str = "never", plan: str = "off",
-                 device: Optional[str] = "h100", search: str = "handler", link_bytes_per_s: Optional[float] = None) -> None:
+                 device: Optional[str] = "h100", search: str = "handler", link_bytes_per_s: Optional[float] = None,
+                 prefetch: bool = True) -> None:
         if plan not in ("auto", "off"):
             raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
         if not isinstance(budget, (int, np.integer)) or budget <= 0:
@@ -149,6 +155,16 @@ class Simulator:
         self._allocs, self._freed = -1, 0
         self.released: List[int] = []  # values released under pressure, in order (the decisions)
         self.released_at: List[int] = []  # the op running (or recomputing for) at each
+        # Copies back ahead of use (swap.py's prefetch): by the plan's next read (a heap), else the
+        # newest offloaded first; at most _PREFETCH_DEPTH in flight, only into free memory.
+        self.prefetch = prefetch
+        self.headroom = self.budget // 8  # as the runtime's (runtime.py)
+        self.away_planned: List[tuple] = []
+        self.away_stack: List[int] = []
+        self.in_flight: Dict[int, float] = {}
+        self.h2d_free = 0.0   # when the copy-back queue is next idle
+        self.copy_hidden = 0.0
+        self.prefetches = 0
 
     # --- the graph ---
     def parents(self, v: int):
@@ -197,12 +213,16 @@ class Simulator:
         """Offload or evict a resident, unlocked value: its bytes are free after."""
         self.released.append(v.index)
         self.released_at.append(self.position)
+        if v.ready_at:  # copied back ahead of use, released again before it: that copy was for nothing
+            self.in_flight.pop(v.index, None)
+            v.ready_at = 0.0
         if not v.recipe or (not v.dead and self.director.evaluate(v, self.clock)):
             if not v.host:
-                self._spend_copy(v.swap_cost)
+                self._spend_copy(v.swap_cost)  # the copy out completes before the buffer is reused
                 v.host = True
             v.state = OFFLOADED
             self.offloads += 1
+            self._queue(v)
         else:
             v.state = EVICTED
             self.neighbourhood.on_evict(v.index, v.compute_cost, self.neighbours(v.index))
@@ -210,12 +230,57 @@ class Simulator:
         self._free(v)
         return v.nbytes
 
+    def _queue(self, v: _Value) -> None:
+        r = self.readers[v.index]
+        i = bisect.bisect_left(r, self.position)
+        if self.planned and i < len(r):
+            heapq.heappush(self.away_planned, (r[i], v.index))
+        else:
+            self.away_stack.append(v.index)
+
+    def _worth_prefetching(self, v: _Value) -> bool:
+        """Away on the host, and some op of the rest of the step reads it."""
+        r = self.readers[v.index]
+        return v.state == OFFLOADED and not v.dead and bisect.bisect_left(r, self.position) < len(r)
+
+    def _prefetch(self) -> None:
+        """Start copies back while they fit (swap.after_op): the plan's next read first, not before
+        that read is _LEAD copy times away; else the newest offloaded first."""
+        for i in [i for i, t in self.in_flight.items() if t <= self.clock]:
+            del self.in_flight[i]
+        planned, stack = self.away_planned, self.away_stack
+        while (planned or stack) and len(self.in_flight) < _PREFETCH_DEPTH:
+            v = self.values[planned[0][1] if planned else stack[-1]]
+            if not self._worth_prefetching(v):
+                heapq.heappop(planned) if planned else stack.pop()
+                continue
+            if planned and self.before[planned[0][0]] - self.before[self.position] > _LEAD * v.swap_cost:
+                return
+            if self.arena.largest_free_block < v.nbytes + self.headroom:
+                return
+            heapq.heappop(planned) if planned else stack.pop()
+            self._allocate(v)  # fits: no pressure
+            start = max(self.clock, self.h2d_free)
+            v.ready_at = self.h2d_free = start + v.swap_cost
+            self.in_flight[v.index] = v.ready_at
+            self.prefetches += 1
+
+    def _arrive(self, v: _Value) -> None:
+        """v was copied back ahead of use and is read now: wait for what is left of its copy."""
+        wait = max(0.0, v.ready_at - self.clock)
+        self._spend_copy(wait)
+        self.copy_hidden += v.swap_cost - wait
+        self.in_flight.pop(v.index, None)
+        v.ready_at = 0.0
+        self.copies_back += 1
+
     def _spend_copy(self, seconds: float) -> None:
         self.copy_seconds += seconds
         self.clock += seconds
 
     def _releasable(self, v: _Value) -> bool:
-        return v.state == RESIDENT and v.locks == 0 and v.nbytes > 0 and (v.recipe or self.offload_leaves)
+        return v.state == RESIDENT and v.locks == 0 and v.nbytes > 0 and (v.recipe or self.offload_leaves) and \
+            v.ready_at <= self.clock  # a copy in flight is not given up
 
     # --- the pressure handler (pressure.py's protocol) ---
     def _on_pressure(self, request: int, window) -> None:
@@ -284,10 +349,14 @@ class Simulator:
     # --- running the step ---
     def _materialize(self, v: _Value) -> None:
         if v.state == RESIDENT:
+            if v.ready_at:
+                self._arrive(v)
             return
-        if v.state == OFFLOADED:
+        if v.state == OFFLOADED:  # on demand: behind the copies already queued
             self._allocate(v)
-            self._spend_copy(v.swap_cost)
+            done = max(self.clock, self.h2d_free) + v.swap_cost
+            self.h2d_free = done
+            self._spend_copy(done - self.clock)
             self.copies_back += 1
             return
         if v.state != EVICTED or not v.recipe:
@@ -337,6 +406,8 @@ class Simulator:
     def _run_op(self, k: int) -> None:
         t = self.trace
         self.position = k
+        if self.prefetch and (self.away_planned or self.away_stack):
+            self._prefetch()
         ins = [self.values[i] for i in t.op_inputs(k)]
         self._lock_inputs(ins)
         try:
@@ -400,7 +471,8 @@ class Simulator:
                "peak_bytes": int(st["allocated_bytes.peak"]), "budget_bytes": self.budget,
                "fragmentation": float(st["fragmentation.pressure"]), "evictions": self.evictions,
                "offloads": self.offloads, "recompute_seconds": self.recompute_seconds,
-               "copy_seconds_hidden": 0.0, "copy_seconds_exposed": self.copy_seconds,
+               "copy_seconds_hidden": self.copy_hidden, "copy_seconds_exposed": self.copy_seconds,
+               "prefetches": self.prefetches,
                "step_seconds": base, "recomputes": self.recomputes, "copies_back": self.copies_back,
                "compactions": int(st["num_compactions"]), "moved_bytes": int(st["moved_bytes"]),
                "ops_run": self.position + (status != "oom"), "num_ops": t.num_ops}
