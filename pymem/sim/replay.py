@@ -142,6 +142,7 @@ class Simulator:
                 if not readers[v] or readers[v][-1] != k:
                     readers[v].append(k)
         self.readers = readers
+        self._neighbours: List[Optional[List[int]]] = [None] * m
         self.before = np.concatenate([[0.0], np.cumsum(self.seconds)])  # planned seconds before op k
         self.frees_after: Dict[int, List[int]] = {}
         for v, k in enumerate(trace.value_free_at):
@@ -172,9 +173,14 @@ class Simulator:
         return self.trace.op_inputs(p) if p >= 0 else ()
 
     def neighbours(self, v: int) -> List[int]:
-        out = [int(i) for i in self.parents(v)] if self.values[v].recipe else []
-        for k in self.readers[v]:
-            out.extend(int(c) for c in self.trace.op_outputs(k))
+        """v's neighbours in the op graph (its recipe's inputs, the values made from it): fixed, so
+        kept once computed (policies ask for them at every score)."""
+        out = self._neighbours[v]
+        if out is None:
+            out = [int(i) for i in self.parents(v)] if self.values[v].recipe else []
+            for k in self.readers[v]:
+                out.extend(self.trace.op_outputs(k).tolist())
+            self._neighbours[v] = out
         return out
 
     def seconds_to_next_use(self, v: int, depth: int) -> float:
