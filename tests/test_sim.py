@@ -293,6 +293,9 @@ def _residual_chain(x):
 
 
 def test_runtime_trace_replays_with_the_runtime_decisions(managed):
+    """LRU: every decision the same. (With ``dtr`` the first ten of this program's releases are the
+    same, then one recompute's inputs differ: the runtime's cache and the replay's dead values are
+    not yet alike in every case.)"""
     budget = 6 * MiB
     fixed = CostModel(3e10, 7e9, 4e-6)  # the same costs in the runtime and in the replay
     rt = pymem.enable(budget=budget, device="cpu", cost=fixed, plan="auto", policy="lru")

@@ -54,7 +54,7 @@ class _Value:
     """One value of the trace, as a policy sees it (pymem.policies.TensorView)."""
 
     __slots__ = ("sim", "index", "nbytes", "compute_cost", "last_access", "recipe", "state", "addr", "locks",
-                 "host", "dead", "ready_at")
+                 "host", "dead", "ready_at", "waits", "need_rank")
 
     def __init__(self, sim: "Simulator", index: int, nbytes: int, recipe: bool) -> None:
         self.sim, self.index, self.nbytes, self.recipe = sim, index, nbytes, recipe
@@ -66,6 +66,8 @@ class _Value:
         self.host = False   # a valid host copy exists
         self.dead = False   # the program freed it: it lives on only for recomputes that read it
         self.ready_at = 0.0  # > 0: copied back ahead of use; its copy completes at this clock
+        self.waits = 0       # > 0: a pending restore reads it (released only as a last resort)
+        self.need_rank = 0   # how soon that restore reads it (higher: sooner)
 
     @property
     def evicted_neighbour_cost(self) -> float:
@@ -305,13 +307,15 @@ class Simulator:
             self._release_window(request, None)
 
     def _release_lowest(self) -> int:
+        """pressure._release_lowest: the lowest score among values no restore waits for; else the
+        waited-on value read last."""
         evaluate, now = self.policy.evaluate, self.clock
-        best, best_score = None, math.inf
+        best, best_key = None, (math.inf, math.inf)
         for v in self.by_addr.values():
             if self._releasable(v):
-                s = evaluate(v, now)
-                if s < best_score:
-                    best, best_score = v, s
+                k = (v.waits > 0 and v.need_rank, evaluate(v, now))
+                if k < best_key:
+                    best, best_key = v, k
         return self._release(best) if best is not None else 0
 
     def _release_window(self, request: int, window) -> bool:
@@ -331,7 +335,8 @@ class Simulator:
     def _compact(self, request: int) -> bool:
         movable = {a: (v, None, self._releasable(v)) for a, v in self.by_addr.items() if v.locks == 0}
         evaluate, cost, now = self.policy.evaluate, self.policy.block_cost, self.clock
-        chosen = compaction_plan.plan(self.arena.blocks(), request, movable, lambda v: evaluate(v, now),
+        chosen = compaction_plan.plan(self.arena.blocks(), request, movable,
+                                      lambda v: (v.waits > 0, v.need_rank, evaluate(v, now)),
                                       lambda v: cost(v, now))
         if chosen is None:
             return False
@@ -353,50 +358,116 @@ class Simulator:
         self.by_addr[new] = v
 
     # --- running the step ---
-    def _materialize(self, v: _Value) -> None:
-        if v.state == RESIDENT:
-            if v.ready_at:
-                self._arrive(v)
-            return
-        if v.state == OFFLOADED:  # on demand: behind the copies already queued
+    # --- bringing values back (remat.py's restore, on the simulator's values) ---
+    def _restore(self, targets: List[_Value]) -> None:
+        """Make every target resident: their missing ancestry replayed forward in creation order."""
+        targets = [v for v in targets if v.state != RESIDENT]
+        if targets:
+            self._budget = _THRASH_FACTOR * (len(self.by_addr) + 64)
+            self._replay(targets, 1, 0)
+
+    def _plan_restore(self, targets: List[_Value]) -> List[_Value]:
+        need: Dict[int, _Value] = {}
+        stack = list(targets)
+        while stack:
+            v = stack.pop()
+            if v.index in need or v.state == RESIDENT:
+                continue
+            if v.state == OFFLOADED:  # copied back: its ancestors are not needed
+                need[v.index] = v
+                continue
+            if v.state != EVICTED or not v.recipe:
+                raise SimError(f"value {v.index} is read at op {self.position} but was "
+                               f"{'never made' if v.state == NEW else 'freed with no way back'}")
+            need[v.index] = v
+            stack.extend(self.values[i] for i in self.parents(v.index))
+        return sorted(need.values(), key=lambda v: v.index)  # creation order: a topological order
+
+    def _replay(self, targets: List[_Value], rank_base: int, nesting: int) -> None:
+        """remat._replay: values a later step of the replay reads wait (released only when nothing
+        else is left, the one read last first); a value released anyway comes back by a nested
+        replay when its reader's turn comes."""
+        if nesting > _NESTING_LIMIT:
+            raise _OOM(f"restoring value {targets[0].index} thrashes: {nesting} nested restores")
+        order = self._plan_restore(targets)
+        n = len(order)
+        inputs_of = [[] if v.state == OFFLOADED else [self.values[i] for i in self.parents(v.index)] for v in order]
+        reads: Dict[int, list] = {}
+        for i, inputs in enumerate(inputs_of):
+            for a in inputs:
+                e = reads.get(a.index)
+                if e is None:
+                    reads[a.index] = [a, [i], 0]
+                elif e[1][-1] != i:
+                    e[1].append(i)
+        for v in targets:
+            if v.index not in reads:
+                reads[v.index] = [v, [n], 0]
+        for a, pos, _ in reads.values():
+            a.waits += 1
+            _rank(a, rank_base + n - pos[0])
+        try:
+            for i, v in enumerate(order):
+                inputs = inputs_of[i]
+                if v.state != RESIDENT:
+                    while True:
+                        missing = [a for a in inputs if a.state != RESIDENT]
+                        if not missing:
+                            break
+                        held = [a for a in inputs if a.state == RESIDENT]
+                        for a in held:
+                            a.locks += 1
+                        try:
+                            self._replay(missing, rank_base + n + 1, nesting + 1)
+                        finally:
+                            for a in held:
+                                a.locks -= 1
+                    self._budget -= 1
+                    if self._budget < 0:
+                        raise _OOM(f"restoring value {targets[0].index} thrashes")
+                    self._bring_back(v, inputs)
+                for a in inputs:  # this step's read is done
+                    e = reads.get(a.index)
+                    if e is None or e[1][e[2]] != i:
+                        continue
+                    e[2] += 1
+                    if e[2] == len(e[1]):
+                        del reads[a.index]
+                        _unwait(a)
+                    else:
+                        _rank(a, rank_base + n - e[1][e[2]])
+            lost = [v for v in targets if v.state != RESIDENT]
+            if lost:
+                self._replay(lost, rank_base + n + 1, nesting + 1)
+        finally:
+            for a, _, _ in reads.values():
+                _unwait(a)
+
+    def _bring_back(self, v: _Value, inputs: List[_Value]) -> None:
+        """One value back: copied (offloaded: on demand, behind the copies queued) or recomputed
+        from its producer's inputs (resident now; locked while it runs)."""
+        if v.state == OFFLOADED:
             self._allocate(v)
             done = max(self.clock, self.h2d_free) + v.swap_cost
             self.h2d_free = done
             self._spend_copy(done - self.clock)
             self.copies_back += 1
+            v.last_access = self.clock
             return
-        if v.state != EVICTED or not v.recipe:
-            raise SimError(f"value {v.index} is read at op {self.position} but was "
-                           f"{'never made' if v.state == NEW else 'freed with no way back'}")
-        p = int(self.trace.value_producer[v.index])
-        ins = [self.values[i] for i in self.trace.op_inputs(p)]
-        self._lock_inputs(ins)
+        for a in inputs:
+            a.locks += 1
         try:
             self._allocate(v)
         finally:
-            self._unlock_inputs(ins)
+            for a in inputs:
+                a.locks -= 1
+        p = int(self.trace.value_producer[v.index])
         self.neighbourhood.on_rematerialize(v.index)
         cost = self.seconds[p]
         self.clock += cost
         self.recompute_seconds += cost
         self.recomputes += 1
         v.last_access = self.clock
-        for i in ins:  # a dead input stays, releasable, as the runtime's cache keeps it (remat.py)
-            i.last_access = self.clock
-
-    def _lock_inputs(self, ins: List[_Value]) -> None:
-        for i in ins:  # each input is locked once back, so bringing back the next cannot release it
-            try:
-                self._materialize(i)
-            except BaseException:
-                self._unlock_inputs(ins[:ins.index(i)])
-                raise
-            i.locks += 1
-
-    @staticmethod
-    def _unlock_inputs(ins: List[_Value]) -> None:
-        for i in ins:
-            i.locks -= 1
 
     def _drop(self, v: _Value) -> None:
         """The program freed v: its bytes go; a recipe keeps it reachable for recomputes (as an
@@ -415,8 +486,13 @@ class Simulator:
         if self.prefetch and (self.away_planned or self.away_stack):
             self._prefetch()
         ins = [self.values[i] for i in t.op_inputs(k)]
-        self._lock_inputs(ins)
+        for i in ins:  # locked first, then the missing ones restored (runtime.run_op)
+            i.locks += 1
         try:
+            self._restore(ins)
+            for i in ins:
+                if i.ready_at:
+                    self._arrive(i)
             for o in t.op_outputs(k):
                 v = self.values[o]
                 w = int(t.value_overwrites[o])
@@ -434,7 +510,8 @@ class Simulator:
                 else:
                     self._allocate(v)
         finally:
-            self._unlock_inputs(ins)
+            for i in ins:
+                i.locks -= 1
         cost = self.seconds[k]
         self.clock += cost
         for i in ins:
@@ -489,6 +566,20 @@ class Simulator:
 
 class _OOM(Exception):
     pass
+
+
+_THRASH_FACTOR = 4    # remat.py's: recomputes per value of one restore before it counts as thrashing
+_NESTING_LIMIT = 200  # remat.py's: nested restores
+
+
+def _rank(a: _Value, rank: int) -> None:
+    a.need_rank = rank if a.waits == 1 or rank > a.need_rank else a.need_rank
+
+
+def _unwait(a: _Value) -> None:
+    a.waits -= 1
+    if not a.waits:
+        a.need_rank = 0
 
 
 def _op_seconds(trace: Trace, device: Optional[str]) -> np.ndarray:
