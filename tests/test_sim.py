@@ -310,3 +310,26 @@ def test_runtime_trace_replays_with_the_runtime_decisions(managed):
     assert out["status"] == "ok" and len(step["released_value"]) > 10
     assert sim.released == step["released_value"].tolist()
     assert sim.released_at == step["released_at"].tolist()
+
+
+def test_sim_cli_replays_a_simrd_log(tmp_path, capsys):
+    res = str(tmp_path / "r.json")
+    assert cli.main(["sim", "--trace", FIXTURE, "--format", "simrd", "--device", "recorded", "--budget-ratio", "1.5",
+                     "--json", res]) == 0
+    got = json.loads(open(res).read())
+    assert got["status"] == "ok" and got["overhead"] == 1.0 and got["step_seconds"] == pytest.approx(321e-6)
+
+
+def test_trace_of_a_transformers_config(tmp_path):
+    pytest.importorskip("transformers")
+    from pymem.sim.models import model_step
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 128,
+                               "n_positions": 64}))
+    step, meta = model_step(f"hf:{cfg}", batch=2)
+    step()
+    t = capture(step, meta)
+    assert t.meta["seq"] == 64 and t.backward_at > 0 and t.op_flops.sum() > 0
+    with pytest.raises(ValueError, match="unknown transformers model type 'nonesuch'"):
+        model_step("hf:nonesuch")
