@@ -102,9 +102,12 @@ class CostModel:
     def seconds(self, func, args, kwargs, ins: Sequence[torch.Tensor], out) -> float:
         outs = (out,) if isinstance(out, torch.Tensor) else \
             [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list)) else ()
-        moved = tensor_bytes(ins) + tensor_bytes(outs)
-        flops = op_flops(func, args, kwargs, out)
-        return self.launch + max(flops / self.flop_rate, moved / self.byte_rate)
+        return self.price(op_flops(func, args, kwargs, out), tensor_bytes(ins) + tensor_bytes(outs))
+
+    def price(self, flops, nbytes):
+        """Seconds of an op of ``flops`` FLOPs moving ``nbytes`` bytes (numbers or numpy arrays)."""
+        compute, memory = flops / self.flop_rate, nbytes / self.byte_rate
+        return self.launch + (np.maximum(compute, memory) if isinstance(compute, np.ndarray) else max(compute, memory))
 
     def __repr__(self) -> str:
         return (f"CostModel({self.device}: {self.flop_rate / 1e9:.1f} GFLOP/s, {self.byte_rate / 1e9:.1f} GB/s, "

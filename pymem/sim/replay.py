@@ -32,11 +32,12 @@ import sys
 from typing import Dict, List, Optional
 
 import numpy as np
+import torch
 
 from .. import _C
 from .. import compaction_plan
 from ..errors import OutOfBudgetError
-from ..gpus import LAUNCH_SECONDS, gpu_spec
+from ..gpus import gpu_cost_model, gpu_spec
 from ..policies import EvictedNeighbourhood, Planned, get_director, get_policy
 from ..runtime.swap import _LEAD, _PREFETCH_DEPTH
 from .trace import Trace
@@ -589,9 +590,9 @@ def _op_seconds(trace: Trace, device: Optional[str]) -> np.ndarray:
             raise ValueError("this trace recorded no op costs (captured on the meta device): give a device, "
                              "e.g. device='h100'")
         return trace.op_cost.astype(np.float64)
-    g = gpu_spec(device)
-    rate = np.where(trace.op_fp32 == 1, g.fp32_flops, g.tensor_flops)
-    seconds = LAUNCH_SECONDS + np.maximum(trace.op_flops / rate, trace.op_bytes / g.memory_bytes_per_s)
+    tensor_cores, fp32 = gpu_cost_model(device, torch.bfloat16), gpu_cost_model(device, torch.float32)
+    seconds = np.where(trace.op_fp32 == 1, fp32.price(trace.op_flops, trace.op_bytes),
+                       tensor_cores.price(trace.op_flops, trace.op_bytes))
     return np.where(trace.op_kernel == 1, seconds, 0.0)
 
 
