@@ -13,12 +13,11 @@ from typing import Iterable, List
 import torch
 
 from .. import _C
+from .. import restore_order
 from ..errors import OutOfBudgetError
 from .records import Record, Slot
 
 _THRASH_FACTOR = 4   # a restore's recomputes per value it could need, before it gives up
-_NESTING_LIMIT = 200  # nested restores (each one: a value released while a restore still needed it)
-_NONE: List[Record] = []
 
 
 class _Budget:
@@ -41,112 +40,43 @@ class _Budget:
 
 
 def restore(rt, records: Iterable[Record]) -> None:
-    """Make every record resident in its own storage (recomputing what is missing)."""
+    """Make every record resident in its own storage (recomputing what is missing): their missing
+    ancestry replayed forward (pymem/restore_order.py)."""
     targets = [r for r in records if not rt.residency.is_available(r)]
     if targets:
-        _replay(rt, targets, _Budget(rt, targets[0]), rank_base=1, nesting=0)
+        restore_order.replay(_RecordValues(rt), targets, _Budget(rt, targets[0]).tick)
 
 
-def _plan(rt, targets: List[Record]) -> List[Record]:
-    """Every unavailable value the targets need, in creation order (a topological order: a recipe
-    only reads values that existed before its output)."""
-    need = {}
-    stack = list(targets)
-    while stack:
-        r = stack.pop()
-        if r.id in need or rt.residency.is_available(r):
-            continue
-        if r.host is not None:  # copied back from host memory: its ancestors are not needed
-            need[r.id] = r
-            continue
-        if r.recipe is None:
-            raise RuntimeError(f"pymem: {r.op} output ({r.nbytes} B) is needed again but cannot be "
-                               f"recomputed: {r.lost or 'it has no recipe and its storage is gone'}")
-        need[r.id] = r
-        stack.extend(r.recipe.input_records())
-    return sorted(need.values(), key=_creation)
+class _RecordValues(restore_order.Values):
+    """Records, as the restore order sees them."""
 
+    __slots__ = ("rt",)
 
-def _creation(r: Record) -> int:
-    return r.id
+    def __init__(self, rt) -> None:
+        self.rt = rt
 
+    def available(self, r: Record) -> bool:
+        return self.rt.residency.is_available(r)
 
-def _replay(rt, targets: List[Record], budget: _Budget, rank_base: int, nesting: int) -> None:
-    """Recompute the targets' missing ancestry forward, in creation order, as the original run did.
+    def copied(self, r: Record) -> bool:
+        return r.host is not None
 
-    Replaying forward keeps only values with a pending reader alive: for a chain (a recurrence,
-    backward through many layers) that is a few values, where a depth-first walk from the target
-    holds each level's inputs until the level below is back. Nothing is locked beyond the op that
-    runs: a value a later step reads ``waits`` (released only when nothing else is left), ranked by
-    how soon it is read (Belady: the one read last goes first). A value released anyway is restored
-    by a nested replay when its reader's turn comes, with the reader's other inputs locked.
-    """
-    if nesting > _NESTING_LIMIT:
-        t = budget.target
-        raise OutOfBudgetError(f"pymem: restoring {t.op} ({t.nbytes} B) thrashes: {nesting} nested restores, "
-                               f"each for a value released while still needed. Raise the budget.")
-    order = _plan(rt, targets)
-    n = len(order)
-    inputs_of = [_NONE if r.host is not None else r.recipe.input_records() for r in order]
-    reads = {}  # value id -> [value, positions of the plan's steps that read it, index of the next]
-    for i, inputs in enumerate(inputs_of):
-        for a in inputs:
-            e = reads.get(a.id)
-            if e is None:
-                reads[a.id] = [a, [i], 0]
-            elif e[1][-1] != i:
-                e[1].append(i)
-    for r in targets:  # read by the caller, after the last step
-        if r.id not in reads:
-            reads[r.id] = [r, [n], 0]
-    for a, pos, _ in reads.values():
-        a.waits += 1
-        _rank(a, rank_base + n - pos[0])
-    try:
-        for i, r in enumerate(order):
-            inputs = inputs_of[i]
-            if not rt.residency.is_available(r):
-                while True:
-                    missing = [a for a in inputs if not rt.residency.is_available(a)]
-                    if not missing:
-                        break
-                    held = [a for a in inputs if rt.residency.is_available(a)]
-                    for a in held:
-                        a.locks += 1
-                    try:
-                        _replay(rt, missing, budget, rank_base + n + 1, nesting + 1)
-                    finally:
-                        for a in held:
-                            a.locks -= 1
-                budget.tick()
-                _recompute(rt, r)
-            for a in inputs:  # this step's read is done
-                e = reads.get(a.id)
-                if e is None or e[1][e[2]] != i:
-                    continue
-                e[2] += 1
-                if e[2] == len(e[1]):
-                    del reads[a.id]
-                    _unwait(a)
-                else:
-                    _rank(a, rank_base + n - e[1][e[2]])
-        lost = [r for r in targets if not rt.residency.is_available(r)]
-        if lost:  # released by the last steps' pressure before the caller could lock them
-            _replay(rt, lost, budget, rank_base + n + 1, nesting + 1)
-    finally:
-        for a, _, _ in reads.values():
-            _unwait(a)
+    def inputs(self, r: Record):
+        return r.recipe.input_records() if r.recipe is not None else None
 
+    def key(self, r: Record) -> int:
+        return r.id
 
-def _rank(a: Record, rank: int) -> None:
-    """How soon a pending restore reads ``a`` (higher: sooner); the only waiter sets it."""
-    a.need_rank = rank if a.waits == 1 or rank > a.need_rank else a.need_rank
+    def unrecoverable(self, r: Record) -> Exception:
+        return RuntimeError(f"pymem: {r.op} output ({r.nbytes} B) is needed again but cannot be "
+                            f"recomputed: {r.lost or 'it has no recipe and its storage is gone'}")
 
+    def bring_back(self, r: Record) -> None:
+        _recompute(self.rt, r)
 
-def _unwait(a: Record) -> None:
-    a.waits -= 1
-    if not a.waits:
-        a.need_rank = 0
+    def thrashing(self, t: Record, nesting: int) -> Exception:
+        return OutOfBudgetError(f"pymem: restoring {t.op} ({t.nbytes} B) thrashes: {nesting} nested restores, "
+                                f"each for a value released while still needed. Raise the budget.")
 
 
 class _Base:

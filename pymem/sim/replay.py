@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from .. import _C
-from .. import compaction_plan
+from .. import compaction_plan, restore_order
 from ..errors import OutOfBudgetError
 from ..gpus import gpu_cost_model, gpu_spec
 from ..policies import EvictedNeighbourhood, Planned, get_director, get_policy
@@ -359,92 +359,20 @@ class Simulator:
         self.by_addr[new] = v
 
     # --- running the step ---
-    # --- bringing values back (remat.py's restore, on the simulator's values) ---
+    # --- bringing values back (remat.py's restore order, on the simulator's values) ---
     def _restore(self, targets: List[_Value]) -> None:
         """Make every target resident: their missing ancestry replayed forward in creation order."""
         targets = [v for v in targets if v.state != RESIDENT]
         if targets:
-            self._budget = _THRASH_FACTOR * (len(self.by_addr) + 64)
-            self._replay(targets, 1, 0)
+            left = [_THRASH_FACTOR * (len(self.by_addr) + 64)]
 
-    def _plan_restore(self, targets: List[_Value]) -> List[_Value]:
-        need: Dict[int, _Value] = {}
-        stack = list(targets)
-        while stack:
-            v = stack.pop()
-            if v.index in need or v.state == RESIDENT:
-                continue
-            if v.state == OFFLOADED:  # copied back: its ancestors are not needed
-                need[v.index] = v
-                continue
-            if v.state != EVICTED or not v.recipe:
-                raise SimError(f"value {v.index} is read at op {self.position} but was "
-                               f"{'never made' if v.state == NEW else 'freed with no way back'}")
-            need[v.index] = v
-            stack.extend(self.values[i] for i in self.parents(v.index))
-        return sorted(need.values(), key=lambda v: v.index)  # creation order: a topological order
+            def tick() -> None:
+                left[0] -= 1
+                if left[0] < 0:
+                    raise _OOM(f"restoring value {targets[0].index} thrashes")
+            restore_order.replay(_SimValues(self), targets, tick)
 
-    def _replay(self, targets: List[_Value], rank_base: int, nesting: int) -> None:
-        """remat._replay: values a later step of the replay reads wait (released only when nothing
-        else is left, the one read last first); a value released anyway comes back by a nested
-        replay when its reader's turn comes."""
-        if nesting > _NESTING_LIMIT:
-            raise _OOM(f"restoring value {targets[0].index} thrashes: {nesting} nested restores")
-        order = self._plan_restore(targets)
-        n = len(order)
-        inputs_of = [[] if v.state == OFFLOADED else [self.values[i] for i in self.parents(v.index)] for v in order]
-        reads: Dict[int, list] = {}
-        for i, inputs in enumerate(inputs_of):
-            for a in inputs:
-                e = reads.get(a.index)
-                if e is None:
-                    reads[a.index] = [a, [i], 0]
-                elif e[1][-1] != i:
-                    e[1].append(i)
-        for v in targets:
-            if v.index not in reads:
-                reads[v.index] = [v, [n], 0]
-        for a, pos, _ in reads.values():
-            a.waits += 1
-            _rank(a, rank_base + n - pos[0])
-        try:
-            for i, v in enumerate(order):
-                inputs = inputs_of[i]
-                if v.state != RESIDENT:
-                    while True:
-                        missing = [a for a in inputs if a.state != RESIDENT]
-                        if not missing:
-                            break
-                        held = [a for a in inputs if a.state == RESIDENT]
-                        for a in held:
-                            a.locks += 1
-                        try:
-                            self._replay(missing, rank_base + n + 1, nesting + 1)
-                        finally:
-                            for a in held:
-                                a.locks -= 1
-                    self._budget -= 1
-                    if self._budget < 0:
-                        raise _OOM(f"restoring value {targets[0].index} thrashes")
-                    self._bring_back(v, inputs)
-                for a in inputs:  # this step's read is done
-                    e = reads.get(a.index)
-                    if e is None or e[1][e[2]] != i:
-                        continue
-                    e[2] += 1
-                    if e[2] == len(e[1]):
-                        del reads[a.index]
-                        _unwait(a)
-                    else:
-                        _rank(a, rank_base + n - e[1][e[2]])
-            lost = [v for v in targets if v.state != RESIDENT]
-            if lost:
-                self._replay(lost, rank_base + n + 1, nesting + 1)
-        finally:
-            for a, _, _ in reads.values():
-                _unwait(a)
-
-    def _bring_back(self, v: _Value, inputs: List[_Value]) -> None:
+    def _bring_back(self, v: _Value) -> None:
         """One value back: copied (offloaded: on demand, behind the copies queued) or recomputed
         from its producer's inputs (resident now; locked while it runs)."""
         if v.state == OFFLOADED:
@@ -455,6 +383,8 @@ class Simulator:
             self.copies_back += 1
             v.last_access = self.clock
             return
+        p = int(self.trace.value_producer[v.index])
+        inputs = [self.values[i] for i in self.trace.op_inputs(p)]
         for a in inputs:
             a.locks += 1
         try:
@@ -462,7 +392,6 @@ class Simulator:
         finally:
             for a in inputs:
                 a.locks -= 1
-        p = int(self.trace.value_producer[v.index])
         self.neighbourhood.on_rematerialize(v.index)
         cost = self.seconds[p]
         self.clock += cost
@@ -569,18 +498,40 @@ class _OOM(Exception):
     pass
 
 
-_THRASH_FACTOR = 4    # remat.py's: recomputes per value of one restore before it counts as thrashing
-_NESTING_LIMIT = 200  # remat.py's: nested restores
+_THRASH_FACTOR = 4  # remat.py's: recomputes per value of one restore before it counts as thrashing
 
 
-def _rank(a: _Value, rank: int) -> None:
-    a.need_rank = rank if a.waits == 1 or rank > a.need_rank else a.need_rank
+class _SimValues(restore_order.Values):
+    """The simulator's values, as the restore order sees them."""
 
+    __slots__ = ("sim",)
 
-def _unwait(a: _Value) -> None:
-    a.waits -= 1
-    if not a.waits:
-        a.need_rank = 0
+    def __init__(self, sim: Simulator) -> None:
+        self.sim = sim
+
+    def available(self, v: _Value) -> bool:
+        return v.state == RESIDENT
+
+    def copied(self, v: _Value) -> bool:
+        return v.state == OFFLOADED
+
+    def inputs(self, v: _Value):
+        if v.state != EVICTED or not v.recipe:
+            return None
+        return [self.sim.values[i] for i in self.sim.parents(v.index)]
+
+    def key(self, v: _Value) -> int:
+        return v.index
+
+    def unrecoverable(self, v: _Value) -> Exception:
+        return SimError(f"value {v.index} is read at op {self.sim.position} but was "
+                        f"{'never made' if v.state == NEW else 'freed with no way back'}")
+
+    def bring_back(self, v: _Value) -> None:
+        self.sim._bring_back(v)
+
+    def thrashing(self, v: _Value, nesting: int) -> Exception:
+        return _OOM(f"restoring value {v.index} thrashes: {nesting} nested restores")
 
 
 def _op_seconds(trace: Trace, device: Optional[str]) -> np.ndarray:
