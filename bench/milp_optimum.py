@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     from pymem.sim.replay import _op_seconds, simulate
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default="bench/milp_optimum.json")
+    ap.add_argument("--json", default="bench/results/milp_optimum.json")
     ap.add_argument("--device", default="h100")
     ap.add_argument("--time-limit", type=float, default=120.0)
     ap.add_argument("--policies", default="dtr,dtr-chain,msps,lru,coop")
@@ -185,6 +185,7 @@ def main(argv=None) -> int:
                   + ", ".join(f"{p} {row[p]['recompute_seconds'] * 1e3:.3f} ms" if row[p]["status"] != "oom" else f"{p} oom"
                               for p in args.policies.split(",")), flush=True)
         out["traces"][name] = {"ops": trace.num_ops, "nodes": len(mem), "peak_bytes": peak, "rows": rows}
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
         json.dump(out, f, indent=1, default=str)
     return 0

@@ -1,7 +1,7 @@
 """GPU-scale allocator benchmarks on the simulator (issue 16, item 5): no GPU needed.
 
     python bench/sim_bench.py [--device h100] [--models gpt2-xl,llama-7b,resnet152] [--quick]
-                              [--json bench/sim_bench.json] [--plots bench/sim_plots]
+                              [--json bench/results/sim_bench.json] [--plots bench/results/sim_plots]
 
 Every model's training step is captured on the meta device (``pymem trace``) and replayed by
 ``pymem.sim`` through the policy classes and the C++ arena the runtime uses, priced by the GPU's
@@ -238,8 +238,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="h100")
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--quick", action="store_true", help="fewer policies, directors and ratios")
-    ap.add_argument("--json", default="bench/sim_bench.json")
-    ap.add_argument("--plots", default="bench/sim_plots")
+    ap.add_argument("--json", default="bench/results/sim_bench.json")
+    ap.add_argument("--plots", default="bench/results/sim_plots")
     args = ap.parse_args(argv)
     models = args.models.split(",")
     ratios = (0.7, 0.5, 0.3, 0.2) if args.quick else RATIOS
@@ -265,10 +265,16 @@ def main(argv=None) -> int:
                 frag[key] = {r: curves[key][r]["fragmentation"] for r in ratios if curves[key][r]["status"] != "oom"}
         out["fragmentation"][model] = frag
     # (b)
+    # The best run with eviction only and the best of all (it may offload): the larger batch counts.
     budget = gpu_spec(args.device).memory_bytes
-    bar_b = Progress(24, "(b)")
-    best = out["best"].get("gpt2-xl", "dtr-chain/never/auto").split("/")
-    out["max_batch"] = max_batch(args.device, budget, 1.3, best[0], best[1], bar_b)
+    curves = out["overhead"].get("gpt2-xl", {})
+    evicting = {k: v for k, v in curves.items() if "/never/" in k}
+    configs = {best_policy(c, ratios) for c in (evicting, curves) if c} or {"dtr-chain/never/auto"}
+    bar_b = Progress(30 * len(configs), "(b)")
+    tries = [max_batch(args.device, budget, 1.3, *key.split("/")[:2], bar_b) for key in sorted(configs)]
+    out["max_batch"] = max(tries, key=lambda m: m["pymem_max_batch"] or 0)
+    out["max_batch_tries"] = [{k: v for k, v in m.items() if k != "replays"} for m in tries]
+    bar_b.done = bar_b.total - 1
     bar_b.step("done")
     out["published"] = {"dtr_prototype": DTR_PROTOTYPE, "max_batch_multiple": MAX_BATCH_PUBLISHED,
                         "gmlake_fragmentation_cut": GMLAKE_FRAGMENTATION_CUT}
