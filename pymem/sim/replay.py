@@ -4,11 +4,11 @@ costs, at a scale no machine here has (issue 16's simulator).
 The pieces are the runtime's own: the C++ arena (``virtual`` backing: addresses, no memory) places
 every value, searches windows and compacts; the policy and director classes of ``pymem.policies``
 choose; ``pymem.compaction_plan`` plans compactions; DTR's evicted neighbourhood is the same
-union-find. Only the bookkeeping around them is the simulator's, and it follows the runtime's
-(``runtime/run_op``, ``pressure.py``, ``remat.py``):
+union-find; ``pymem.restore_order`` orders recomputes. Only the bookkeeping around them is the
+simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, ``remat.py``):
 
-- an op first brings its inputs back (an evicted one is recomputed from its producer's inputs,
-  recursively; an offloaded one is copied back), locks them, allocates its fresh outputs (an
+- an op locks its inputs and brings back those that are away (an evicted one by replaying its
+  missing ancestry forward, as remat.py does; an offloaded one by a copy), allocates its fresh outputs (an
   in-place op's output takes over the bytes of the value it rewrote), runs, and advances the
   clock by its cost; then the values that die after it are freed;
 - under pressure the handler releases the lowest-scoring value one at a time while the bytes
@@ -28,7 +28,6 @@ Deterministic: nothing here reads a timer or a random number.
 import bisect
 import heapq
 import math
-import sys
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -463,8 +462,6 @@ class Simulator:
         "recompute_seconds", "copy_seconds_hidden", ...}."""
         t = self.trace
         status, error = "ok", None
-        limit = sys.getrecursionlimit()
-        sys.setrecursionlimit(max(limit, 4 * t.num_ops + 1000))  # a recompute recurses along its chain
         try:
             for v in np.flatnonzero(t.value_producer < 0):  # made before the step: resident at its start
                 self._allocate(self.values[int(v)])
@@ -472,8 +469,6 @@ class Simulator:
                 self._run_op(k)
         except _OOM as e:
             status, error = "oom", str(e)
-        finally:
-            sys.setrecursionlimit(limit)
         base = float(self.seconds.sum())
         total = base + self.recompute_seconds + self.copy_seconds
         overhead = total / base if base > 0 else 1.0
