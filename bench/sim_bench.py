@@ -54,11 +54,16 @@ class Progress:
 
     def step(self, what: str) -> None:
         self.done += 1
-        bar = "#" * (30 * self.done // self.total)
+        bar = "#" * min(30, 30 * self.done // self.total)
         print(f"\r{self.label} [{bar:<30}] {self.done}/{self.total} {what[:40]:<40} "
               f"{time.perf_counter() - self.t0:6.0f}s", end="", file=sys.stderr, flush=True)
         if self.done >= self.total:
             print(file=sys.stderr)
+
+    def finish(self) -> None:
+        """Done, however many steps the estimate expected."""
+        self.done = self.total - 1
+        self.step("done")
 
 
 def _short(r: dict) -> dict:
@@ -274,8 +279,7 @@ def main(argv=None) -> int:
     tries = [max_batch(args.device, budget, 1.3, *key.split("/")[:2], bar_b) for key in sorted(configs)]
     out["max_batch"] = max(tries, key=lambda m: m["pymem_max_batch"] or 0)
     out["max_batch_tries"] = [{k: v for k, v in m.items() if k != "replays"} for m in tries]
-    bar_b.done = bar_b.total - 1
-    bar_b.step("done")
+    bar_b.finish()
     out["published"] = {"dtr_prototype": DTR_PROTOTYPE, "max_batch_multiple": MAX_BATCH_PUBLISHED,
                         "gmlake_fragmentation_cut": GMLAKE_FRAGMENTATION_CUT}
     out["wall_seconds"] = time.perf_counter() - t0

@@ -102,12 +102,13 @@ class CostModel:
     def seconds(self, func, args, kwargs, ins: Sequence[torch.Tensor], out) -> float:
         outs = (out,) if isinstance(out, torch.Tensor) else \
             [o for o in out if isinstance(o, torch.Tensor)] if isinstance(out, (tuple, list)) else ()
-        return self.price(op_flops(func, args, kwargs, out), tensor_bytes(ins) + tensor_bytes(outs))
+        moved = tensor_bytes(ins) + tensor_bytes(outs)
+        return self.launch + max(op_flops(func, args, kwargs, out) / self.flop_rate, moved / self.byte_rate)
 
-    def price(self, flops, nbytes):
-        """Seconds of an op of ``flops`` FLOPs moving ``nbytes`` bytes (numbers or numpy arrays)."""
-        compute, memory = flops / self.flop_rate, nbytes / self.byte_rate
-        return self.launch + (np.maximum(compute, memory) if isinstance(compute, np.ndarray) else max(compute, memory))
+    def price(self, flops: np.ndarray, nbytes: np.ndarray) -> np.ndarray:
+        """``seconds``' formula over arrays of FLOPs and bytes (the simulator prices a whole trace
+        at once); ``seconds`` keeps it inline, as it runs for every op."""
+        return self.launch + np.maximum(flops / self.flop_rate, nbytes / self.byte_rate)
 
     def __repr__(self) -> str:
         return (f"CostModel({self.device}: {self.flop_rate / 1e9:.1f} GFLOP/s, {self.byte_rate / 1e9:.1f} GB/s, "

@@ -78,15 +78,24 @@ def test_too_small_a_budget_is_oom_with_the_reason():
 
 
 def test_thrash_above_twice_the_step():
-    # A chain whose every value is read at the end: at a budget of a few blocks, the reads recompute
-    # most of the chain again.
+    # A chain of 12 read back from its end, one value at a time (as a backward pass reads its
+    # forward): in four blocks each read recomputes the chain from the last value kept.
+    k = 12
+    ops = [("f", 1.0, [i], [i + 1]) for i in range(k)] + [("b", 1.0, [k - j], [k + 1 + j]) for j in range(k)]
+    values = [(MiB, -1, 0, -1)] + [(MiB, i, 1, 2 * k - i - 1) for i in range(k)] + \
+        [(1024, k + j, 1, -1) for j in range(k)]
+    out = simulate(_trace(ops, values), 4 * MiB, policy="lru", device=None)
+    assert out["status"] == "thrash" and out["recomputes"] == 30
+    assert out["overhead"] == pytest.approx((24.0 + 30.0) / 24.0)
+
+
+def test_reading_more_than_the_budget_at_once_is_oom():
+    # The last op reads all twelve values at once: 12 MiB in a 4 MiB budget.
     k = 12
     ops = [("f", 1.0, [i], [i + 1]) for i in range(k)] + [("g", 1.0, list(range(1, k + 1)), [k + 1])]
     values = [(MiB, -1, 0, -1)] + [(MiB, i, 1, k) for i in range(k)] + [(1024, k, 1, -1)]
     out = simulate(_trace(ops, values), 4 * MiB, policy="lru", device=None)
-    assert out["status"] in ("thrash", "oom")
-    if out["status"] == "thrash":
-        assert out["overhead"] > 2.0
+    assert out["status"] == "oom" and out["ops_run"] == k and "out of budget" in out["error"]
 
 
 def test_replay_is_deterministic():

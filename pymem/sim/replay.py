@@ -291,12 +291,12 @@ class Simulator:
             v.ready_at <= self.clock  # a copy in flight is not given up
 
     # --- the pressure handler (pressure.py's protocol) ---
-    def _on_pressure(self, request: int, window) -> None:
+    def _on_pressure(self, request: int, _window) -> None:  # searches windows itself, when it wants one
         allocs = self.arena.num_allocs
         if allocs != self._allocs:
             self._allocs, self._freed = allocs, 0
         if self.uses_window:
-            if not self._release_window(request, window) and not self._compact(request):
+            if not self._release_window(request) and not self._compact(request):
                 self._release_lowest()
         elif self._freed < request:
             freed = self._release_lowest()
@@ -304,7 +304,7 @@ class Simulator:
             if not freed:
                 self._compact(request)
         elif not self._compact(request):
-            self._release_window(request, None)
+            self._release_window(request)
 
     def _release_lowest(self) -> int:
         """pressure._release_lowest: the lowest score among values no restore waits for; else the
@@ -318,7 +318,7 @@ class Simulator:
                     best, best_key = v, k
         return self._release(best) if best is not None else 0
 
-    def _release_window(self, request: int, window) -> bool:
+    def _release_window(self, request: int) -> bool:
         cost, now = self.policy.block_cost, self.clock
         for v in self.by_addr.values():
             self.arena.set_owner(v.addr, v.index + 1 if self._releasable(v) else 0,
