@@ -18,7 +18,12 @@ import argparse
 import os
 import sys
 
-from .api import format_bytes as _fmt
+
+
+def _fmt(nbytes: int) -> str:
+    from .api import format_bytes  # torch: only the commands that print sizes pay for it
+
+    return format_bytes(nbytes)
 
 
 def cmd_info(args) -> int:
@@ -96,9 +101,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_run(args) -> int:
+    """The script under pymem, enabled as the startup hook enables it: the flags checked before the
+    script's first line (no torch imported), pymem enabled when the script imports torch."""
     import runpy
 
-    import pymem
+    from . import _startup
 
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     if not script:
@@ -108,13 +115,16 @@ def cmd_run(args) -> int:
     if not os.path.isfile(script[0]):
         print(f"pymem run: cannot open script {script[0]!r}: no such file", file=sys.stderr)
         return 2
+    flags = {"budget": args.budget, "policy": args.policy, "device": args.device, "allocator": args.allocator,
+             "offload": args.offload, "prefetch": "0" if args.no_prefetch else "1", "plan": args.plan,
+             "host_budget": args.host_budget, "offload_leaves": "0" if args.no_offload_leaves else None}
     try:
-        pymem.enable(args.budget, policy=args.policy, device=args.device, allocator=args.allocator,
-                     offload=args.offload, prefetch=not args.no_prefetch, plan=args.plan,
-                     host_budget=args.host_budget, offload_leaves=False if args.no_offload_leaves else None)
-    except (ValueError, RuntimeError) as e:
+        settings = _startup.check_settings(flags, lambda key: "--" + key.replace("_", "-"))
+    except ValueError as e:
         print(f"pymem run: {e}", file=sys.stderr)
         return 2
+    settings.pop("log")
+    _startup.when_torch_imported(settings, fail=lambda e: _startup.stop(f"pymem run: {e}"))
     sys.argv = list(script)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))
     code = 0
@@ -123,8 +133,13 @@ def cmd_run(args) -> int:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     finally:
-        pymem.disable()
-        print(pymem.memory_summary(), file=sys.stderr, end="")
+        if "torch" in sys.modules:
+            import pymem
+
+            pymem.disable()
+            print(pymem.memory_summary(), file=sys.stderr, end="")
+        else:
+            print("pymem run: the script never imported torch; pymem was not enabled", file=sys.stderr)
     return code
 
 
@@ -202,7 +217,7 @@ def main(argv=None) -> int:
     r.add_argument("--offload", default=None,
                    help="delta (the CUDA default), never (the CPU default) or always: see pymem.enable")
     r.add_argument("--no-prefetch", action="store_true", help="copy offloaded values back only when used")
-    r.add_argument("--plan", default="auto", choices=("auto", "off"),
+    r.add_argument("--plan", default="auto",
                    help="auto (the default): plan each training step from the one before; off: the policy alone (see pymem.enable)")
     r.add_argument("--no-offload-leaves", action="store_true",
                    help="never offload values with no recipe (gradients, optimizer state): see pymem.enable")

@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -50,7 +52,8 @@ def test_run_with_the_native_allocator(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     assert "grad True" in p.stdout and "pymem memory summary" in p.stderr
     p = run("run", "--budget", "3MiB", "--allocator", "slab", "--", str(script))
-    assert p.returncode == 2 and "allocator 'slab' is not accepted" in p.stderr and "grad" not in p.stdout
+    assert p.returncode == 2 and "pymem run: --allocator='slab' is not an allocator; accepted: arena, native" in p.stderr
+    assert "grad" not in p.stdout
 
 
 def test_run_rejects_a_bad_budget_and_a_missing_script_at_start(tmp_path):
@@ -62,9 +65,49 @@ def test_run_rejects_a_bad_budget_and_a_missing_script_at_start(tmp_path):
     assert p.returncode == 2 and "cannot open script" in p.stderr and "missing.py" in p.stderr
 
 
+def test_run_enables_pymem_only_when_the_script_imports_torch(tmp_path):
+    script = tmp_path / "no_torch.py"
+    script.write_text("import sys; print('torch loaded:', 'torch' in sys.modules)")
+    p = run("run", "--budget", "3MiB", "--", str(script))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "torch loaded: False\n"
+    assert "pymem run: the script never imported torch; pymem was not enabled" in p.stderr
+    script.write_text("import sys; print('before', 'torch' in sys.modules)\n"
+                      "import torch, pymem; print('enabled at import', pymem.is_enabled())")
+    p = run("run", "--budget", "3MiB", "--policy", "lru", "--", str(script))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "before False\nenabled at import True\n" and "pymem memory summary" in p.stderr
+
+
+@pytest.mark.parametrize("flags,expected", [
+    (["--policy", "fifo"], "--policy='fifo' is not a policy; accepted: coop, dtr"),
+    (["--plan", "always"], "--plan='always' is not accepted; accepted: auto, off"),
+    (["--offload", "sometimes"], "--offload='sometimes' is not accepted; accepted: always, capuchin, delta, never"),
+    (["--device", "tpu"], "--device='tpu' is not a device; accepted: 'cpu', 'cuda', 'cuda:N'"),
+    (["--host-budget", "lots"], "--host-budget: host_budget 'lots' is not accepted"),
+])
+def test_run_checks_every_flag_before_the_script_starts(tmp_path, flags, expected):
+    script = tmp_path / "train.py"
+    script.write_text("print('ran')")
+    p = run("run", "--budget", "3MiB", *flags, "--", str(script))
+    assert p.returncode == 2 and p.stdout == ""
+    assert "pymem run: " + expected in p.stderr
+
+
+def test_run_stops_at_import_torch_on_what_only_the_device_can_judge(tmp_path):
+    """``--device cuda`` here, with no GPU: judged when the script imports torch, exit 2 there."""
+    script = tmp_path / "train.py"
+    script.write_text("print('first line', flush=True)\nimport torch\nprint('after import')")
+    p = run("run", "--budget", "3MiB", "--device", "cuda", "--", str(script))
+    if p.returncode == 0:
+        pytest.skip("a GPU is visible: --device cuda is accepted here")
+    assert p.returncode == 2 and p.stdout == "first line\n"
+    assert "pymem run: device 'cuda': CUDA is not available here" in p.stderr
+
+
 def test_run_passes_the_script_exit_code(tmp_path):
     script = tmp_path / "fail.py"
-    script.write_text("import sys; sys.exit(3)")
+    script.write_text("import sys, torch; sys.exit(3)")
     p = run("run", "--budget", "3MiB", "--", str(script))
     assert p.returncode == 3 and "pymem memory summary" in p.stderr
 

@@ -32,6 +32,58 @@ def python(code: str, **env_vars):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
 
+def test_the_budget_variable_imports_no_torch_until_the_program_does():
+    """``PYMEM_BUDGET`` exported for every process: one that never touches a tensor pays for the
+    check of the variables only; pymem is enabled by the program's own ``import torch``."""
+    p = python("import sys; print('torch' in sys.modules, 'numpy' in sys.modules)", PYMEM_BUDGET="8GB")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "False"]
+    p = python("import sys; import torch; print('pymem' in sys.modules and sys.modules['pymem'].is_enabled())\n"
+               "import pymem; print(pymem.memory_stats()['budget_bytes'])", PYMEM_BUDGET="8GB", PYMEM_DEVICE="cpu")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", str(8 * 10 ** 9)]
+
+
+def test_a_percent_budget_is_taken_of_the_device_when_torch_is_imported():
+    p = python("import torch, pymem; print(pymem.memory_stats()['budget_bytes'])", PYMEM_BUDGET="10%",
+               PYMEM_DEVICE="cpu")
+    assert p.returncode == 0, p.stderr
+    assert int(p.stdout) == parse_budget("10%", "cpu")
+
+
+def test_what_only_the_device_can_judge_stops_the_program_at_import_torch():
+    """``PYMEM_DEVICE=cuda`` with no GPU: checked when torch is imported, before the next line."""
+    p = python("print('first line', flush=True)\nimport torch\nprint('after import')", PYMEM_BUDGET="8GB",
+               PYMEM_DEVICE="cuda")
+    if p.returncode == 0:
+        pytest.skip("a GPU is visible: PYMEM_DEVICE=cuda is accepted here")
+    assert p.returncode == _startup.EXIT_BAD_SETTING and p.stdout == "first line\n"
+    assert "pymem: cannot start from the environment: device 'cuda': CUDA is not available here" in p.stderr
+
+
+def test_torch_imported_before_the_hook_is_enabled_at_once():
+    """Another .pth file (or sitecustomize) imported torch first: pymem is enabled on the spot."""
+    code = ("import torch, os; from pymem import _startup\n"
+            "_startup.activate({'PYMEM_BUDGET': '64MB', 'PYMEM_DEVICE': 'cpu'})\n"
+            "import pymem; print(pymem.is_enabled(), pymem.memory_stats()['budget_bytes'])")
+    p = python(code)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", str(64 * 10 ** 6)]
+
+
+def test_import_pymem_alone_loads_no_torch():
+    p = python("import sys, pymem; print('torch' in sys.modules); pymem.enable; print('torch' in sys.modules)")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["False", "True"]
+
+
+def test_the_extension_brings_torch_in_and_raises_pymems_error():
+    p = python("import pymem._C as C\ntry:\n    C.Arena(1 << 20).allocate(1 << 21)\n"
+               "except Exception as e:\n    import pymem; print(isinstance(e, pymem.OutOfBudgetError))")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True"]
+
+
 def test_unset_budget_imports_nothing():
     p = python("import sys; print('torch' in sys.modules, 'pymem' in sys.modules)")
     assert p.returncode == 0, p.stderr
@@ -81,10 +133,10 @@ def test_settings_from_env_accepts_every_budget_form_and_defaults():
     assert s == {"budget": parse_budget("1.5GiB"), "policy": "dtr", "device": None, "allocator": None,
                  "offload": None, "prefetch": True, "plan": "auto", "host_budget": None, "offload_leaves": None,
                  "log": None}
-    s = _startup.settings_from_env({"PYMEM_BUDGET": "10%", "PYMEM_DEVICE": "cpu", "PYMEM_POLICY": "coop",
+    s = _startup.settings_from_env({"PYMEM_BUDGET": " 10% ", "PYMEM_DEVICE": "cpu", "PYMEM_POLICY": "coop",
                                     "PYMEM_ALLOCATOR": "native", "PYMEM_LOG": "DEBUG", "PYMEM_OFFLOAD": "always",
                                     "PYMEM_PREFETCH": "0", "PYMEM_PLAN": "off", "PYMEM_HOST_BUDGET": "50%",
                                     "PYMEM_OFFLOAD_LEAVES": "0"})
-    assert s == {"budget": parse_budget("10%", "cpu"), "policy": "coop", "device": "cpu", "allocator": "native",
+    assert s == {"budget": "10%", "policy": "coop", "device": "cpu", "allocator": "native",
                  "offload": "always", "prefetch": False, "plan": "off", "host_budget": parse_budget("50%", "cpu"),
                  "offload_leaves": False, "log": "debug"}

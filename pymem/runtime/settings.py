@@ -11,13 +11,9 @@ from typing import Optional, Union
 import torch
 
 from .. import _C
+from ..choices import ALLOCATORS, COSTS, INTERCEPTS, PLANS
 from ..cost_model import CostModel
 from ..policies import Director, Policy, director_names, get_director, get_policy
-
-ALLOCATORS = ("arena", "native")
-COSTS = ("measured", "estimate")
-PLANS = ("auto", "off")  # plan each step from the last (policies/planned.py), or not
-INTERCEPTS = ("mode", "dispatcher")  # interception.py
 
 
 def _accepted(values) -> str:

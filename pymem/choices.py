@@ -1,0 +1,8 @@
+"""The accepted values of pymem's settings, torch-free: the startup hook checks the ``PYMEM_*``
+variables against them before the program imports torch (``pymem._startup``), and ``pymem.enable``
+checks its arguments against the same tuples (``pymem.runtime.settings``)."""
+
+ALLOCATORS = ("arena", "native")
+COSTS = ("measured", "estimate")
+PLANS = ("auto", "off")  # plan each step from the last (policies/planned.py), or not
+INTERCEPTS = ("mode", "dispatcher")  # runtime/interception.py
