@@ -1,7 +1,7 @@
 """The public runtime API: enable, disable, budget scopes, stats."""
 import contextlib
 import logging
-from typing import Iterator, Optional, Union
+from typing import Callable, Iterator, List, Optional, Union
 
 import torch
 
@@ -271,9 +271,16 @@ def no_recompute() -> Iterator[None]:
             rt.no_recipes -= 1
 
 
+# Called at each pymem.step(), enabled or not: pymem profile's count of a script's steps.
+step_observers: List[Callable[[], None]] = []
+
+
 def step() -> None:
     """Marks the end of a training step for pymem's step trace (``step_trace``). A step that ends
-    with an optimizer's ``step()`` needs no mark: pymem marks it. A no-op while pymem is not enabled."""
+    with an optimizer's ``step()`` needs no mark: pymem marks it. A no-op while pymem is not enabled
+    (but for ``pymem profile``, which counts the marks of an unmanaged run too)."""
+    for observe in step_observers:
+        observe()
     rt = _current
     if rt is None:
         return

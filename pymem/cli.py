@@ -12,11 +12,17 @@
   pymem sim    pymem sim --trace step.npz [--format pymem|simrd] --policy dtr [--offload D] [--plan auto|off]
                --budget 24GB | --budget-ratio 0.3 --device h100 [--json out.json]: replay the step
                under the budget at GPU scale
+  pymem profile  pymem profile [--steps 4] [--budgets 1.0,0.7,0.5,0.3,0.2] [--policy P] [--offload D]
+               [--device cpu|cuda|meta] [--gpu h100] [--json F] [--plot F.png] -- script.py args...:
+               the script's slowdown under each budget, each run in a fresh process, and its lowest
+               feasible budget (bisection to 2% of the peak)
   pymem info   version, build, CUDA library, device memory
 """
 import argparse
 import os
 import sys
+
+from .profile import DEFAULT_BUDGETS
 
 
 
@@ -199,6 +205,12 @@ def cmd_sim(args) -> int:
     return 0 if out["status"] == "ok" else 1
 
 
+def cmd_profile(args) -> int:
+    from .profile import run
+
+    return run(args)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pymem", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -245,6 +257,20 @@ def main(argv=None) -> int:
     s.add_argument("--time-unit", type=float, default=1e-6, help="seconds per TIME unit of a simrd log")
     s.add_argument("--json", default=None, help="also write the result here")
     s.set_defaults(fn=cmd_sim)
+    pr = sub.add_parser("profile", help="slowdown against budget for your script, and its lowest feasible budget",
+                        allow_abbrev=False)  # "--budget 0.5" must not pass for --budgets
+    pr.add_argument("--steps", type=int, default=4, help="training steps a run (the first is not timed)")
+    pr.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)),
+                    help="shares of the unmanaged peak, comma-separated, each in (0, 1]")
+    pr.add_argument("--policy", default="dtr")
+    pr.add_argument("--offload", default=None, help="delta, never, always or capuchin (default: by device)")
+    pr.add_argument("--device", default=None,
+                    help="cpu, cuda (default: CUDA when available) or meta: simulate the GPU named by --gpu")
+    pr.add_argument("--gpu", default="h100", help="with --device meta: h100, h200, gh200, a100 or l4")
+    pr.add_argument("--json", default=None, help="also write the points here")
+    pr.add_argument("--plot", default=None, help="draw slowdown against budget here (.png; needs matplotlib)")
+    pr.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
+    pr.set_defaults(fn=cmd_profile)
     i = sub.add_parser("info", help="version, build, CUDA library, device memory")
     i.set_defaults(fn=cmd_info)
     args = ap.parse_args(argv)

@@ -155,6 +155,7 @@ class Simulator:
         self.recompute_seconds = 0.0
         self.copy_seconds = 0.0
         self.evictions = self.offloads = self.recomputes = self.copies_back = 0
+        self.offloaded_bytes = 0
         self._allocs, self._freed = -1, 0
         self.released: List[int] = []  # values released under pressure, in order (the decisions)
         self.released_at: List[int] = []  # the op running (or recomputing for) at each
@@ -230,6 +231,7 @@ class Simulator:
                 v.host = True
             v.state = OFFLOADED
             self.offloads += 1
+            self.offloaded_bytes += v.nbytes
             self._queue(v)
         else:
             v.state = EVICTED
@@ -458,7 +460,7 @@ class Simulator:
 
     def run(self) -> Dict:
         """Replay the step once. Returns {"status": "ok" | "oom" | "thrash", "overhead",
-        "peak_bytes", "budget_bytes", "fragmentation", "evictions", "offloads",
+        "peak_bytes", "budget_bytes", "fragmentation", "evictions", "offloads", "offloaded_bytes",
         "recompute_seconds", "copy_seconds_hidden", ...}."""
         t = self.trace
         status, error = "ok", None
@@ -478,7 +480,7 @@ class Simulator:
         out = {"status": status, "overhead": overhead if status != "oom" else None,
                "peak_bytes": int(st["allocated_bytes.peak"]), "budget_bytes": self.budget,
                "fragmentation": float(st["fragmentation.pressure"]), "evictions": self.evictions,
-               "offloads": self.offloads, "recompute_seconds": self.recompute_seconds,
+               "offloads": self.offloads, "offloaded_bytes": self.offloaded_bytes, "recompute_seconds": self.recompute_seconds,
                "copy_seconds_hidden": self.copy_hidden, "copy_seconds_exposed": self.copy_seconds,
                "prefetches": self.prefetches,
                "step_seconds": base, "recomputes": self.recomputes, "copies_back": self.copies_back,
