@@ -211,6 +211,7 @@ class Profiler:
             except BaseException:  # Ctrl-C: nothing of it is left running
                 _kill(proc)
                 raise
+            _kill(proc)  # what the script started and left behind (DataLoader workers): its group ends with it
             out.seek(0)
             err.seek(0)
             return event, out.read(), err.read(), code
