@@ -1,7 +1,7 @@
 """How long ``pymem profile`` takes on the demo model with the five default budgets and the
 bisection (issue 19's target: under 3 minutes on the development machine).
 
-    python bench/profile_bench.py [--steps 4] [--json FILE]
+    python bench/profile_bench.py [--steps 6] [--json FILE]
 
 Runs ``python -m pymem profile --steps N -- bench/demo_train.py`` as a user would, prints its table
 and the wall time, and writes the profile's own JSON plus the time to FILE.
@@ -20,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

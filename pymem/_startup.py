@@ -39,9 +39,8 @@ import sys
 from typing import Callable, Dict, Mapping, Optional
 
 from .budget import parse_budget, parse_host_budget
-from .choices import ALLOCATORS, PLANS
+from .choices import ALLOCATORS, DIRECTORS, PLANS, POLICIES
 from .import_hook import when_imported
-from .policies import director_names, policy_names
 
 EXIT_BAD_SETTING = 2
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -90,9 +89,9 @@ def check_settings(text: Mapping[str, Optional[str]], spelled: Callable[[str], s
             settings["budget"] = parse_budget(raw)
     except ValueError as e:
         raise ValueError(f"{spelled('budget')}: {e}") from None
-    settings["policy"] = one_of("policy", policy_names(), "a policy") or "dtr"
+    settings["policy"] = one_of("policy", POLICIES, "a policy") or "dtr"
     settings["allocator"] = one_of("allocator", ALLOCATORS, "an allocator")  # None: by device (pymem.enable)
-    settings["offload"] = one_of("offload", director_names())  # None: by device
+    settings["offload"] = one_of("offload", DIRECTORS)  # None: by device
     settings["prefetch"] = (one_of("prefetch", ("0", "1")) or "1") == "1"
     try:
         settings["host_budget"] = parse_host_budget(given("host_budget"))  # None: no cap

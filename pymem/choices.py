@@ -6,3 +6,7 @@ ALLOCATORS = ("arena", "native")
 COSTS = ("measured", "estimate")
 PLANS = ("auto", "off")  # plan each step from the last (policies/planned.py), or not
 INTERCEPTS = ("mode", "dispatcher")  # runtime/interception.py
+# The registered names of pymem.policies (a test holds them equal): importing the policies to list
+# them would be most of what the startup hook costs a process that never uses them.
+POLICIES = ("coop", "dtr", "dtr-chain", "dtr-local", "lru", "msps", "size")
+DIRECTORS = ("always", "capuchin", "delta", "never")

@@ -12,7 +12,7 @@
   pymem sim    pymem sim --trace step.npz [--format pymem|simrd] --policy dtr [--offload D] [--plan auto|off]
                --budget 24GB | --budget-ratio 0.3 --device h100 [--json out.json]: replay the step
                under the budget at GPU scale
-  pymem profile  pymem profile [--steps 4] [--budgets 1.0,0.7,0.5,0.3,0.2] [--policy P] [--offload D]
+  pymem profile  pymem profile [--steps 6] [--budgets 1.0,0.7,0.5,0.3,0.2] [--policy P] [--offload D]
                [--device cpu|cuda|meta] [--gpu h100] [--json F] [--plot F.png] -- script.py args...:
                the script's slowdown under each budget, each run in a fresh process, and its lowest
                feasible budget (bisection to 2% of the peak)
@@ -259,7 +259,7 @@ def main(argv=None) -> int:
     s.set_defaults(fn=cmd_sim)
     pr = sub.add_parser("profile", help="slowdown against budget for your script, and its lowest feasible budget",
                         allow_abbrev=False)  # "--budget 0.5" must not pass for --budgets
-    pr.add_argument("--steps", type=int, default=4, help="training steps a run (the first is not timed)")
+    pr.add_argument("--steps", type=int, default=6, help="training steps a run (the first is not timed)")
     pr.add_argument("--budgets", default=",".join(map(str, DEFAULT_BUDGETS)),
                     help="shares of the unmanaged peak, comma-separated, each in (0, 1]")
     pr.add_argument("--policy", default="dtr")

@@ -1,6 +1,6 @@
 """``pymem profile``: the budget-vs-slowdown curve of the user's own script, and its floor.
 
-    pymem profile [--steps 4] [--budgets 1.0,0.7,0.5,0.3,0.2] [--policy P] [--offload D]
+    pymem profile [--steps 6] [--budgets 1.0,0.7,0.5,0.3,0.2] [--policy P] [--offload D]
                   [--device cpu|cuda|meta] [--gpu h100] [--json F] [--plot F.png] -- script.py args...
 
 The script runs unchanged for ``--steps`` training steps (pymem's step boundary: an optimizer's

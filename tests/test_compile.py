@@ -96,3 +96,29 @@ def test_fullgraph_under_pymem_says_a_dispatch_mode_is_present():
     finally:
         pymem.disable()
     assert "dispatch mode present" in str(caught.value) and "pymem/runtime" not in str(caught.value)
+
+
+def test_enable_does_not_import_dynamo_and_the_patch_comes_with_its_import():
+    """Dynamo costs over a second to import: enable() leaves it alone; a program that compiles later
+    (Dynamo imported after enable) still runs the region eagerly through pymem, with the warning."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, warnings, torch, pymem
+pymem.enable(budget="32MB", device="cpu")
+print("dynamo after enable:", "torch._dynamo" in sys.modules)
+f = torch.compile(lambda x: torch.tanh(x) * 2 + 1, backend="eager")
+x = torch.randn(8, 8)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    before = pymem.memory_stats()["num_ops"]
+    y = f(x)
+    print("ops seen:", pymem.memory_stats()["num_ops"] - before >= 3)
+print("equal:", torch.equal(y, torch.tanh(x) * 2 + 1))
+print("warned:", sum("pymem: torch.compile" in str(w.message) for w in caught))
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       env={k: v for k, v in __import__("os").environ.items() if not k.startswith("PYMEM_")})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["dynamo after enable: False", "ops seen: True", "equal: True", "warned: 1"]

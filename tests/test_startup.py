@@ -84,6 +84,13 @@ def test_the_extension_brings_torch_in_and_raises_pymems_error():
     assert p.stdout.split() == ["True"]
 
 
+def test_the_names_the_hook_accepts_are_the_registered_ones():
+    from pymem import choices
+    from pymem.policies import director_names, policy_names
+
+    assert list(choices.POLICIES) == policy_names() and list(choices.DIRECTORS) == director_names()
+
+
 def test_unset_budget_imports_nothing():
     p = python("import sys; print('torch' in sys.modules, 'pymem' in sys.modules)")
     assert p.returncode == 0, p.stderr
