@@ -112,7 +112,8 @@ class Profiler:
         t0 = time.perf_counter()
         event, out, err, code = self._child(None, label)
         if event.get("event") == "error" or code not in (0, None):
-            raise ScriptFailed(event.get("code", code) or 1, err)
+            code = event.get("code", code) or 1
+            raise ScriptFailed(128 - code if code < 0 else code, err)  # killed by a signal: as a shell says it
         if event.get("event") != "done":
             raise ProfileError(
                 f"{self.script[0]} ended after {event.get('steps', 0)} training step(s), fewer than --steps "

@@ -8,7 +8,7 @@ an evicted region) does not recompute the shared chain again for each one.
 """
 import time
 import weakref
-from typing import Iterable, List
+from typing import Callable, Iterable, List, Optional
 
 import torch
 
@@ -243,23 +243,28 @@ def release_orphaned_leaf(rt, leaf: Record) -> bool:
     cheaper thing to keep: the activations autograd saves from a batch nobody else holds). True
     when the recipes were dropped."""
     direct = [c for c in (w() for w in leaf.children) if c is not None]
-    closure = _dependents(direct)
-    pinned = 0
-    for r in closure:
+    room = leaf.nbytes  # what the dependents may pin in its place
+
+    def keeps_the_leaf(r: Record) -> bool:
+        nonlocal room
         if r.evicted or r.waits or r in rt.cache:
-            return False
+            return True
         if rt.residency.is_available(r):
-            pinned += r.nbytes
-    if pinned > leaf.nbytes:
+            room -= r.nbytes
+        return room < 0
+
+    closure = _dependents(direct, stop=keeps_the_leaf)
+    if closure is None:
         return False
     leaf.children = []
     _cut(rt, closure, f"its input {leaf.op} ({leaf.nbytes} B) was freed: no tensor held it")
     return True
 
 
-def _dependents(direct: List[Record]) -> List[Record]:
+def _dependents(direct: List[Record], stop: Optional[Callable[[Record], bool]] = None) -> Optional[List[Record]]:
     """Records whose recipes read ``direct``'s values, directly or through other recipes, them
-    included."""
+    included; None as soon as ``stop`` is true of one of them (the sweep asks of every leaf that
+    only recipes hold, at every pressure event: most answers are no, found early in the walk)."""
     closure: List[Record] = []
     seen = set()
     stack = list(direct)
@@ -269,6 +274,8 @@ def _dependents(direct: List[Record]) -> List[Record]:
             continue
         seen.add(r.id)
         if r.recipe is not None:
+            if stop is not None and stop(r):
+                return None
             closure.append(r)
         stack.extend(w() for w in r.children)
     return closure
