@@ -15,6 +15,8 @@ scores the value as it would without a plan.
 """
 from .base import Policy, TensorView
 
+_NEVER = float("inf")
+
 
 class Planned(Policy):
     """Not registered: the runtime wraps its policy in it when planning (``plan="auto"``)."""
@@ -40,6 +42,8 @@ class Planned(Policy):
 
     @staticmethod
     def _score(t: TensorView, d: float) -> float:
+        if d == _NEVER:  # read no more this step: 0 whatever it cost, so its costs are not walked
+            return 0.0
         return (t.compute_cost + t.evicted_neighbour_cost + t.evicted_ancestor_cost) / (max(t.nbytes, 1) * max(d, 1e-12))
 
     def __repr__(self) -> str:
