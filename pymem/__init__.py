@@ -2,15 +2,16 @@
 
 ``import pymem`` costs nothing until a name is used: the startup hook (``pymem._startup``) imports
 the package in every process that has ``PYMEM_BUDGET`` set, most of which never touch a tensor.
-Each public name is loaded from its module on first use (PEP 562); ``pymem._C``, the extension,
-brings torch in before it loads (it links against libtorch) and gets pymem's error type right after.
+Each public name is loaded from its module on first use (PEP 562). Every module that needs torch
+has torch imported before it is looked for (``pymem.import_hook.import_first``); ``pymem._C``, the
+extension, gets pymem's error type right after it loads.
 """
 import importlib
 import sys
 from typing import Optional
 
 from . import budget as _budget_module  # torch-free; loaded now so that its import never rebinds
-from .import_hook import when_imported
+from .import_hook import import_first, when_imported
 
 del budget  # ``pymem.budget`` is the context manager of ``pymem.api``, not the module of that name
 
@@ -48,17 +49,18 @@ def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
 
 
-def _import_torch() -> None:
-    import torch  # noqa: F401  (loads libc10 and libtorch, which _C links against)
-
-
 def _register_errors() -> None:
     from .errors import OutOfBudgetError
 
     sys.modules[f"{__name__}._C"]._set_out_of_budget_error(OutOfBudgetError)
 
 
-when_imported(f"{__name__}._C", then=_register_errors, before=_import_torch)
+# Torch comes before every module of pymem that needs it (_C links against libtorch): then no module
+# of pymem is half-run when the startup hook enables pymem at torch's import. These need no torch.
+_TORCH_FREE = frozenset(f"{__name__}.{m}" for m in ("__main__", "_startup", "budget", "choices", "cli",
+                                                      "import_hook", "policies", "profile"))
+import_first(__name__, "torch", _TORCH_FREE)
+when_imported(f"{__name__}._C", _register_errors)
 
 
 def install_cpu_hook(arena) -> None:

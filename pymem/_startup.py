@@ -40,7 +40,7 @@ from typing import Callable, Dict, Mapping, Optional
 
 from .budget import parse_budget, parse_host_budget
 from .choices import ALLOCATORS, DIRECTORS, PLANS, POLICIES
-from .import_hook import when_imported
+from .import_hook import cancel, when_imported
 
 EXIT_BAD_SETTING = 2
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -108,9 +108,10 @@ def check_settings(text: Mapping[str, Optional[str]], spelled: Callable[[str], s
 
 
 def when_torch_imported(settings: Dict[str, object], fail: Callable[[Exception], None],
-                        then: Callable[[], None] = lambda: None) -> None:
+                        then: Callable[[], None] = lambda: None) -> Callable[[], None]:
     """``pymem.enable(**settings)`` right after the program's ``import torch`` (at once if torch is
-    already imported), then ``then()``; ``fail(error)`` when enabling raises."""
+    already imported), then ``then()``; ``fail(error)`` when enabling raises. Returns the callback
+    (for ``import_hook.cancel``)."""
     def enable() -> None:
         try:
             import pymem
@@ -122,6 +123,7 @@ def when_torch_imported(settings: Dict[str, object], fail: Callable[[Exception],
         then()
 
     when_imported("torch", enable)
+    return enable
 
 
 def stop(message: str) -> None:
@@ -175,7 +177,18 @@ def activate(environ: Mapping[str, str] = os.environ) -> None:
     level = settings.pop("log")
     if level:
         _configure_log(level)
-    when_torch_imported(settings, fail=lambda e: stop(prefix + str(e)), then=_summary_when_enabled)
+    global from_environment
+    from_environment = when_torch_imported(settings, fail=lambda e: stop(prefix + str(e)),
+                                           then=_summary_when_enabled)
+
+
+def cancel_environment() -> None:
+    """``pymem run``: its flags replace the PYMEM_* variables' settings, not yet applied."""
+    if from_environment is not None:
+        cancel("torch", from_environment)
+
+
+from_environment: Optional[Callable[[], None]] = None  # the environment's enable, while pending
 
 
 if os.environ.get("PYMEM_BUDGET"):

@@ -130,6 +130,7 @@ def cmd_run(args) -> int:
         print(f"pymem run: {e}", file=sys.stderr)
         return 2
     settings.pop("log")
+    _startup.cancel_environment()  # PYMEM_* exported too: the flags win
     _startup.when_torch_imported(settings, fail=lambda e: _startup.stop(f"pymem run: {e}"))
     sys.argv = list(script)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script[0])))

@@ -26,6 +26,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+_LAST_EVENTS = ("done", "oom", "ended", "error")  # what profile_run.py sends last
 BISECT_TO = 0.02   # the floor is found to this share of the peak
 DEFAULT_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.2)
 EXIT_BAD_INPUT = 2
@@ -191,28 +192,35 @@ class Profiler:
             event, buf = {}, b""
             deadline = None if budget is None or self._timeout is None else time.monotonic() + self._timeout
             try:
+                # Until the run's last event or its exit, not the pipe's end: whatever the script
+                # forked (DataLoader workers) holds the pipe open after it.
                 with os.fdopen(read_fd, "rb") as pipe:
-                    while True:
-                        ready, _, _ = select.select([pipe], [], [], 0.5)
-                        if ready:
-                            chunk = os.read(pipe.fileno(), 65536)
-                            if not chunk:
-                                break
-                            buf += chunk
-                            *lines, buf = buf.split(b"\n")
-                            for line in lines:
-                                event = json.loads(line)
-                                if event.get("event") == "step":
-                                    self.progress.update(label, f"step {event['step']}/{self.steps}")
-                        if deadline is not None and time.monotonic() > deadline:
-                            _kill(proc)
+                    while event.get("event") not in _LAST_EVENTS:
+                        exited = proc.poll() is not None
+                        ready, _, _ = select.select([pipe], [], [], 0 if exited else 0.5)
+                        chunk = os.read(pipe.fileno(), 65536) if ready else b""
+                        buf += chunk
+                        *lines, buf = buf.split(b"\n")
+                        for line in lines:
+                            event = json.loads(line)
+                            if event.get("event") == "step":
+                                self.progress.update(label, f"step {event['step']}/{self.steps}")
+                        if exited and not chunk:
+                            break
+                        if deadline is not None and time.monotonic() > deadline \
+                                and event.get("event") not in _LAST_EVENTS:
                             event = {"event": "timeout"}
                             break
-                code = proc.wait()
+                if event.get("event") in _LAST_EVENTS:
+                    try:
+                        proc.wait(timeout=30)  # it ends on its own right after its last event
+                    except subprocess.TimeoutExpired:
+                        pass
+                _kill(proc)  # the run itself (after a timeout) and what it left behind: its whole group
+                code = proc.returncode
             except BaseException:  # Ctrl-C: nothing of it is left running
                 _kill(proc)
                 raise
-            _kill(proc)  # what the script started and left behind (DataLoader workers): its group ends with it
             out.seek(0)
             err.seek(0)
             return event, out.read(), err.read(), code
@@ -234,6 +242,10 @@ class Profiler:
             if hi - lo <= BISECT_TO + 1e-9:
                 return
             self.run_budget(round((lo + hi) / 2, 4))
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _kill(proc: subprocess.Popen) -> None:
@@ -359,6 +371,8 @@ def run(args) -> int:
           f" of the unmanaged peak, policy {args.policy}, "
           + (f"simulated on {args.gpu}" if device == "meta" else f"device {device}"), file=sys.stderr)
     interrupted = False
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # ended from outside: as Ctrl-C, no run left behind
+        signal.signal(sig, _interrupt)
     try:
         profiler.run_unmanaged()
         for r in ratios:

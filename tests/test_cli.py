@@ -105,6 +105,16 @@ def test_run_stops_at_import_torch_on_what_only_the_device_can_judge(tmp_path):
     assert "pymem run: device 'cuda': CUDA is not available here" in p.stderr
 
 
+def test_run_flags_win_over_the_environment(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("import torch, pymem; print(pymem.memory_stats()['budget_bytes'])")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), PYMEM_BUDGET="1GB")
+    p = subprocess.run([sys.executable, "-m", "pymem", "run", "--budget", "3MiB", "--", str(script)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == [str(3 << 20)]
+
+
 def test_run_passes_the_script_exit_code(tmp_path):
     script = tmp_path / "fail.py"
     script.write_text("import sys, torch; sys.exit(3)")

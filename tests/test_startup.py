@@ -71,6 +71,38 @@ def test_torch_imported_before_the_hook_is_enabled_at_once():
     assert p.stdout.split() == ["True", str(64 * 10 ** 6)]
 
 
+def test_a_probe_for_torch_is_not_its_import():
+    """Libraries probe with importlib.util.find_spec("torch") (transformers does): the hook waits
+    for the import itself."""
+    p = python("import importlib.util\nassert importlib.util.find_spec('torch') is not None\n"
+               "import torch, pymem; print(pymem.is_enabled())", PYMEM_BUDGET="64MB", PYMEM_DEVICE="cpu")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True"]
+
+
+@pytest.mark.parametrize("first", ["from pymem import memory_stats", "import pymem.api", "import pymem.runtime",
+                                   "import pymem; pymem.Arena"])
+def test_pymem_imported_before_torch_is_still_enabled_at_import_torch(first):
+    """A module of pymem that needs torch has torch imported before it runs: the hook enables pymem
+    then, with every module whole, and no module of pymem runs twice."""
+    code = (f"{first}\nimport sys, torch, pymem\n"
+            "print(pymem.is_enabled(), sys.modules['pymem.api'].is_enabled(), pymem.memory_stats()['budget_bytes'])")
+    p = python(code, PYMEM_BUDGET="64MB", PYMEM_DEVICE="cpu")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["True", "True", str(64 * 10 ** 6)]
+
+
+def test_two_callbacks_for_one_module_both_run_once(tmp_path):
+    (tmp_path / "dummymod.py").write_text("X = 1\n")
+    code = (f"import sys; sys.path.insert(0, {str(tmp_path)!r})\n"
+            "from pymem.import_hook import when_imported\n"
+            "when_imported('dummymod', lambda: print('A'))\nwhen_imported('dummymod', lambda: print('B'))\n"
+            "import dummymod, importlib; importlib.reload(dummymod); print(dummymod.X)")
+    p = python(code)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["A", "B", "1"]
+
+
 def test_import_pymem_alone_loads_no_torch():
     p = python("import sys, pymem; print('torch' in sys.modules); pymem.enable; print('torch' in sys.modules)")
     assert p.returncode == 0, p.stderr
