@@ -1,10 +1,11 @@
 """Hugging Face GPT-2 (the config of tests/test_models_hf.py, random weights): pymem against the
 model's own gradient checkpointing, in one process.
 
-    python bench/hf_checkpointing_bench.py [--json FILE] [--steps N]
+    python bench/hf_checkpointing_bench.py [--json FILE] [--steps 10] [--warmup 3]
 
-Runs, each `--steps` AdamW steps (model building not timed), every loss and parameter compared bitwise
-with the plain unmanaged run where the model is the same:
+Runs, each `--steps` AdamW steps (model building and the first `--warmup` steps not timed: pymem
+plans a step from the one before, from the third step on), every loss and parameter compared
+bitwise with the plain unmanaged run where the model is the same:
   - plain: unmanaged, no checkpointing (the reference peak and step time);
   - hf-checkpointing: `gradient_checkpointing_enable()` (non-reentrant and reentrant), unmanaged;
   - pymem at the checkpointed peak: the plain model under `pymem.enable(budget=that peak)`;
@@ -41,31 +42,32 @@ def workload(checkpointing=None):
     return make
 
 
-def timed_unmanaged(make, steps):
+def timed_unmanaged(make, steps, warmup):
     run_unmanaged(make, 1)  # warm-up
-    return run_unmanaged(make, steps)
+    return run_unmanaged(make, steps, untimed=warmup)
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3, help="steps run first and not timed")
     ap.add_argument("--json", help="write the figures here")
     a = ap.parse_args()
     out = {}
     plain_peak, _ = measure(workload(), a.steps)
-    ref_losses, ref_state, plain_s = timed_unmanaged(workload(), a.steps)
+    ref_losses, ref_state, plain_s = timed_unmanaged(workload(), a.steps, a.warmup)
     out["plain"] = {"peak": 1.0, "slowdown": 1.0}
     ckpt_peak = {}
     for kind in ("non-reentrant", "reentrant"):
         peak, _ = measure(workload(kind), a.steps)
-        losses, state, s = timed_unmanaged(workload(kind), a.steps)
+        losses, state, s = timed_unmanaged(workload(kind), a.steps, a.warmup)
         ckpt_peak[kind] = peak
         out[f"hf-checkpointing {kind}"] = {"peak": peak / plain_peak, "slowdown": s / plain_s,
                                            "bitwise": all_bitwise_equal(losses + state, ref_losses + ref_state)}
 
     def managed(name, make, budget, ref):
         try:
-            losses, state, stats, s, _ = run_managed(make, a.steps, budget, limit_s=600)
+            losses, state, stats, s, _ = run_managed(make, a.steps, budget, limit_s=600, untimed=a.warmup)
         except pymem.OutOfBudgetError:
             out[name] = {"peak": budget / plain_peak, "infeasible": True}
             return

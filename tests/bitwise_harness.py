@@ -75,11 +75,13 @@ def measure_peak(make, steps: int) -> int:
     return measure(make, steps)[0]
 
 
-def run_unmanaged(make, steps: int):
-    """(outputs per step, final parameters and buffers, seconds of the steps)."""
+def run_unmanaged(make, steps: int, untimed: int = 0):
+    """(outputs per step, final parameters and buffers, seconds of the steps after the first
+    ``untimed``)."""
     step = make()
+    outs = [step() for _ in range(untimed)]
     t0 = time.perf_counter()
-    outs = [step() for _ in range(steps)]
+    outs += [step() for _ in range(steps - untimed)]
     seconds = time.perf_counter() - t0
     state = [t.clone() for t in state_of(step.model)]
     del step
@@ -91,16 +93,18 @@ def budget_at(peak: int, ratio: float) -> int:
     return int(ratio * peak) // 512 * 512
 
 
-def run_managed(make, steps: int, budget: int, limit_s: float = 60.0, after=None, **options):
+def run_managed(make, steps: int, budget: int, limit_s: float = 60.0, after=None, untimed: int = 0, **options):
     """``steps`` steps under ``pymem.enable(budget)``. Returns (outputs, final parameters and buffers
-    cloned under pymem, memory_stats() before disable, seconds of the steps, ``after(step)``'s result
-    if given (called under pymem after the steps)). pymem is disabled whatever happens."""
+    cloned under pymem, memory_stats() before disable, seconds of the steps after the first
+    ``untimed``, ``after(step)``'s result if given (called under pymem after the steps)). pymem is
+    disabled whatever happens."""
     pymem.enable(budget=budget, device="cpu", **options)
     try:
         with deadline(limit_s, f"{steps} steps under {budget} B"):
             step = make()
+            outs = [step() for _ in range(untimed)]
             t0 = time.perf_counter()
-            outs = [step() for _ in range(steps)]
+            outs += [step() for _ in range(steps - untimed)]
             seconds = time.perf_counter() - t0
             state = [t.clone() for t in state_of(step.model)]
             extra = after(step) if after is not None else None
