@@ -10,7 +10,7 @@ from .budget import parse_budget, parse_host_budget
 from .cost_model import CostModel
 from .runtime import Runtime
 from .runtime.hooks import check_cuda_order  # part of the API: tested, documented
-from .runtime.settings import check_choices
+from .runtime.settings import check_choices, check_device
 
 log = logging.getLogger("pymem")
 log.addHandler(logging.NullHandler())  # silent unless the application configures logging
@@ -101,6 +101,8 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
         allocator = "arena"
     check_choices(policy, allocator, sampling, cost, offload, prefetch, plan=plan,
                   offload_leaves=offload_leaves)  # a typo first, by name
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        check_device(device, allocator)  # says so, before "80%" would ask NVML for a GPU's memory
     nbytes = parse_budget(budget, device)
     host_nbytes = parse_host_budget(host_budget)
     settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch, plan, host_nbytes,

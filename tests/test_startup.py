@@ -61,6 +61,14 @@ def test_what_only_the_device_can_judge_stops_the_program_at_import_torch():
     assert "pymem: cannot start from the environment: device 'cuda': CUDA is not available here" in p.stderr
 
 
+def test_a_percent_of_a_gpu_with_no_gpu_names_the_device():
+    p = python("import torch", PYMEM_BUDGET="80%", PYMEM_DEVICE="cuda")
+    if p.returncode == 0:
+        pytest.skip("a GPU is visible: PYMEM_DEVICE=cuda is accepted here")
+    assert p.returncode == _startup.EXIT_BAD_SETTING
+    assert "pymem: cannot start from the environment: device 'cuda': CUDA is not available here" in p.stderr
+
+
 def test_torch_imported_before_the_hook_is_enabled_at_once():
     """Another .pth file (or sitecustomize) imported torch first: pymem is enabled on the spot."""
     code = ("import torch, os; from pymem import _startup\n"
