@@ -101,7 +101,8 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
         allocator = "arena"
     check_choices(policy, allocator, sampling, cost, offload, prefetch, plan=plan,
                   offload_leaves=offload_leaves)  # a typo first, by name
-    if device.startswith("cuda") and not torch.cuda.is_available():
+    if isinstance(budget, str) and budget.strip().endswith("%") and device.startswith("cuda") and \
+            not torch.cuda.is_available():
         check_device(device, allocator)  # says so, before "80%" would ask NVML for a GPU's memory
     nbytes = parse_budget(budget, device)
     host_nbytes = parse_host_budget(host_budget)
