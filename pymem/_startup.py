@@ -38,7 +38,7 @@ import os
 import sys
 from typing import Callable, Dict, Mapping, Optional
 
-from .budget import parse_budget, parse_host_budget
+from .budget import format_bytes, parse_budget, parse_host_budget
 from .choices import ALLOCATORS, DIRECTORS, PLANS, POLICIES
 from .import_hook import cancel, when_imported
 
@@ -150,7 +150,6 @@ def _summary_at_exit() -> None:
     import logging
 
     import pymem
-    from pymem.api import format_bytes
 
     log = logging.getLogger("pymem")
     s = pymem.memory_stats()

@@ -6,7 +6,7 @@ from typing import Callable, Iterator, List, Optional, Union
 import torch
 
 from . import _C, snapshot
-from .budget import parse_budget, parse_host_budget
+from .budget import format_bytes, parse_budget, parse_host_budget  # noqa: F401  (format_bytes: pymem.api's)
 from .cost_model import CostModel
 from .runtime import Runtime
 from .runtime.hooks import check_cuda_order  # part of the API: tested, documented
@@ -315,15 +315,6 @@ def manage_thread():
 def is_evicted(tensor: torch.Tensor) -> bool:
     """True when ``tensor``'s storage is evicted now (it will be recomputed on its next use)."""
     return _current is not None and _current.is_evicted(tensor)
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"`` (binary units), for summaries and the CLI."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def memory_summary() -> str:

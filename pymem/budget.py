@@ -69,3 +69,12 @@ def parse_budget(budget: Union[int, str], device: str = "cpu", total: Optional[i
         raise ValueError(f"budget {budget!r} is below the arena's granularity of {ALIGNMENT} bytes; "
                          f"expected {ACCEPTED}")
     return n
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"`` (binary units), for summaries and the CLI."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)

@@ -22,14 +22,8 @@ import argparse
 import os
 import sys
 
+from .budget import format_bytes as _fmt
 from .profile import DEFAULT_BUDGETS
-
-
-
-def _fmt(nbytes: int) -> str:
-    from .api import format_bytes  # torch: only the commands that print sizes pay for it
-
-    return format_bytes(nbytes)
 
 
 def cmd_info(args) -> int:

@@ -26,6 +26,9 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
+from .budget import format_bytes
+from .choices import DIRECTORS, POLICIES
+
 _LAST_EVENTS = ("done", "oom", "ended", "error")  # what profile_run.py sends last
 BISECT_TO = 0.02   # the floor is found to this share of the peak
 DEFAULT_BUDGETS = (1.0, 0.7, 0.5, 0.3, 0.2)
@@ -57,13 +60,6 @@ def parse_budgets(text: str) -> List[float]:
 
 def _ratio(r: float) -> str:
     return f"{r:.2f}" if round(r, 2) == r else f"{r:.4g}"
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 class _Progress:
@@ -108,7 +104,7 @@ class Profiler:
                 raise ProfileError(f"capturing {self.script[0]} on the meta device failed: {type(e).__name__}: {e}")
             peak = self.trace.peak_bytes()
             self.unmanaged = {"status": "ok", "peak_bytes": int(peak), "step_seconds": None}
-            self.progress.done(label, f"peak {_fmt_bytes(peak)}, {self.trace.num_ops} ops")
+            self.progress.done(label, f"peak {format_bytes(peak)}, {self.trace.num_ops} ops")
             return self.unmanaged
         t0 = time.perf_counter()
         event, out, err, code = self._child(None, label)
@@ -122,13 +118,13 @@ class Profiler:
                 "pymem.step() at the end of each training step of a loop without an optimizer, or give fewer --steps")
         self.unmanaged = dict(event, status="ok", losses=_loss_lines(out))
         self._timeout = max(120.0, 20 * (time.perf_counter() - t0))
-        self.progress.done(label, f"peak {_fmt_bytes(event['peak_bytes'])}, step {event['step_seconds']:.3f} s")
+        self.progress.done(label, f"peak {format_bytes(event['peak_bytes'])}, step {event['step_seconds']:.3f} s")
         return self.unmanaged
 
     def run_budget(self, ratio: float) -> Dict:
         peak = self.unmanaged["peak_bytes"]
         budget = int(peak * ratio) // 512 * 512
-        label = f"budget {_ratio(ratio)} ({_fmt_bytes(budget)})"
+        label = f"budget {_ratio(ratio)} ({format_bytes(budget)})"
         if budget <= 0:
             point = {"ratio": ratio, "budget_bytes": budget, "status": "oom", "message": "below 512 bytes"}
         elif self.device == "meta":
@@ -268,7 +264,7 @@ def _row_text(p: Dict) -> str:
     if p["status"] in ("oom", "timeout", "error"):
         return f"{p['status']}: {p.get('message', '')}"[:100]
     return (f"{p['slowdown']:.2f}x ({p['step_seconds']:.3f} s), {p['evictions']:.0f} evictions, "
-            f"{p['recompute_seconds']:.3f} s recompute, {_fmt_bytes(p['offloaded_bytes'])} offloaded per step")
+            f"{p['recompute_seconds']:.3f} s recompute, {format_bytes(p['offloaded_bytes'])} offloaded per step")
 
 
 def table(profiler: Profiler) -> str:
@@ -277,21 +273,21 @@ def table(profiler: Profiler) -> str:
              "losses", "params")]
     if u.get("step_seconds") is not None:
         rows.append(("unmanaged", "ok", f"{u['step_seconds']:.3f}", "1.00x", "0", "0.000", "0 B",
-                     _fmt_bytes(u["peak_bytes"]), "", ""))
+                     format_bytes(u["peak_bytes"]), "", ""))
     for r in sorted(profiler.points, reverse=True):
         p = profiler.points[r]
-        head = f"{_ratio(r)} ({_fmt_bytes(p['budget_bytes'])})"
+        head = f"{_ratio(r)} ({format_bytes(p['budget_bytes'])})"
         if p["status"] in ("oom", "timeout", "error"):
             rows.append((head, p["status"], "", "", "", "", "", "", "", ""))
             continue
         rows.append((head, p["status"], f"{p['step_seconds']:.3f}", f"{p['slowdown']:.2f}x", f"{p['evictions']:.0f}",
-                     f"{p['recompute_seconds']:.3f}", _fmt_bytes(p["offloaded_bytes"]),
+                     f"{p['recompute_seconds']:.3f}", format_bytes(p["offloaded_bytes"]),
                      f"{p['peak_bytes'] / p['budget_bytes']:.0%}", _yes_no(p["losses_match"]),
                      _yes_no(p["parameters_match"])))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
     floor = profiler.floor()
-    lines.append(f"floor: {_ratio(floor)} of the peak ({_fmt_bytes(profiler.points[floor]['budget_bytes'])})"
+    lines.append(f"floor: {_ratio(floor)} of the peak ({format_bytes(profiler.points[floor]['budget_bytes'])})"
                  if floor is not None else "floor: no budget tried was feasible")
     return "\n".join(lines) + "\n"
 
@@ -344,12 +340,10 @@ def run(args) -> int:
             raise ProfileError(f"cannot open script {script[0]!r}: no such file")
         if args.steps < 2:
             raise ProfileError(f"--steps {args.steps} is not accepted: at least 2 (the first step is not timed)")
-        from .policies import director_names, policy_names
-
-        if args.policy not in policy_names():
-            raise ProfileError(f"--policy {args.policy!r} is not a policy; accepted: {', '.join(policy_names())}")
-        if args.offload is not None and args.offload not in director_names():
-            raise ProfileError(f"--offload {args.offload!r} is not accepted; accepted: {', '.join(director_names())}")
+        if args.policy not in POLICIES:
+            raise ProfileError(f"--policy {args.policy!r} is not a policy; accepted: {', '.join(POLICIES)}")
+        if args.offload is not None and args.offload not in DIRECTORS:
+            raise ProfileError(f"--offload {args.offload!r} is not accepted; accepted: {', '.join(DIRECTORS)}")
         device = args.device or _default_device()
         if device.split(":")[0] not in ("cpu", "cuda", "meta"):
             raise ProfileError(f"--device {device!r} is not accepted; accepted: cpu, cuda, cuda:N, meta")
