@@ -78,6 +78,12 @@ class Arena {
   // Moves one allocated main-region block (not pinned) to `to`, which with the block's size must lie
   // inside one free block of the main region; copies its bytes and frees the old range. Same rules.
   void move_block(uintptr_t from, uintptr_t to);
+  // The stream the next moves are ordered on (a cudaStream_t; 0: the legacy default stream). Only a
+  // CUDA backing reads it.
+  void set_move_stream(uintptr_t stream) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    backing_->set_move_stream(reinterpret_cast<void*>(stream));
+  }
 
   // The window the pressure protocol would choose for `nbytes` now (does not release anything).
   Window find_window(size_t nbytes);

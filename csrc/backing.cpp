@@ -62,15 +62,37 @@ class CudaBacking final : public Backing {
   }
   ~CudaBacking() override { table_->free(reinterpret_cast<void*>(base_)); }
   const char* kind() const override { return "cuda"; }
+  bool can_move() const override { return true; }
+  void set_move_stream(void* stream) override { stream_ = stream; }
+
+  // cudaMemcpyAsync leaves overlapping ranges undefined, and a slide overlaps whenever a block is
+  // larger than the distance it moves. Copying in pieces of that distance, in the order memmove
+  // would (ascending when moving down), each piece lands only on bytes already copied out.
+  void move(uintptr_t dst, uintptr_t src, size_t n) override {
+    if (dst == src || n == 0) return;
+    const size_t dist = dst > src ? dst - src : src - dst;
+    const size_t piece = dist >= n ? n : dist;
+    const size_t pieces = (n + piece - 1) / piece;
+    for (size_t i = 0; i < pieces; i++) {
+      const size_t k = dst < src ? i : pieces - 1 - i;
+      const size_t off = k * piece, len = off + piece > n ? n - off : piece;
+      int err = table_->memcpy_async(reinterpret_cast<void*>(dst + off), reinterpret_cast<const void*>(src + off),
+                                     len, PYMEM_CUDA_MEMCPY_DEVICE_TO_DEVICE, stream_);
+      if (err != 0)
+        throw std::runtime_error("pymem: cudaMemcpyAsync of a compaction move failed with CUDA error " +
+                                 std::to_string(err));
+    }
+  }
 
  private:
   const pymem_cuda_table* table_;
+  void* stream_ = nullptr;  // the legacy default stream until the runtime names one
 };
 
 }  // namespace
 
-// CUDA slabs do not move bytes yet (the function table has no memcpy); Arena::compact checks
-// can_move() before it changes anything, so this is never reached through it.
+// A backing that cannot move bytes; Arena::compact checks can_move() before it changes anything,
+// so this is never reached through it.
 void Backing::move(uintptr_t, uintptr_t, size_t) {
   throw std::logic_error(std::string("pymem: a ") + kind() + " backing cannot move bytes");
 }

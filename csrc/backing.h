@@ -3,7 +3,8 @@
 //   host    — an mmap'd slab (pages are committed on first touch): the CPU device.
 //   virtual — address arithmetic only, no memory at all, at a fixed synthetic base so addresses
 //             are deterministic: lets tests and the simulator run 80 GB arenas on a laptop.
-//   cuda    — one cudaMalloc slab, through the run-time function table of cuda_table.h.
+//   cuda    — one cudaMalloc slab, through the run-time function table of cuda_table.h; moves are
+//             device-to-device copies queued on the move stream.
 #pragma once
 
 #include <cstddef>
@@ -23,6 +24,9 @@ class Backing {
   // Compaction (Arena::compact) moves block contents inside the slab. `dst` and `src` may overlap.
   virtual bool can_move() const { return false; }
   virtual void move(uintptr_t dst, uintptr_t src, size_t n);
+  // The stream a CUDA backing's moves are ordered on (the compacting thread's current stream): every
+  // kernel queued there before a move reads the old bytes, every one after it the new. Others ignore it.
+  virtual void set_move_stream(void* stream) {}
 
  protected:
   uintptr_t base_ = 0;

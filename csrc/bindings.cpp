@@ -54,6 +54,9 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
         "Route CPU allocations to C functions with CUDAPluggableAllocator's signatures (addresses): "
         "runs libpymem_cuda.so on CPU tensors, over a fake CUDA table, in tests.");
   m.def("uninstall_pluggable_cpu_hook", &pymem::uninstall_pluggable_cpu_hook);
+  m.def("set_pluggable_relocation", &pymem::set_pluggable_relocation, py::arg("relocate_fn"), py::arg("free_fn"),
+        "pymem_cuda_relocate and pymem_cuda_free of the CUDA library (CudaLib.relocation_points()): how a\n"
+        "storage whose library block compaction moved is repointed and, later, freed.");
   // Without the GIL, as PyTorch calls its allocator: the pressure handler takes it when it runs.
   m.def("call_pluggable_alloc", &pymem::call_pluggable_alloc, py::arg("alloc_fn"), py::arg("nbytes"),
         py::arg("device"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),

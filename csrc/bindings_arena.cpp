@@ -180,7 +180,7 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
       cuda_table=0)
   backing: "host" (an mmap'd slab, pages committed on touch), "virtual" (addresses only, no
   memory: for simulation and tests) or "cuda" (one cudaMalloc slab on `device`, through the CUDA
-  runtime table at address `cuda_table`; its blocks do not move, so it never compacts). Requests <= small_threshold bytes go to a small region at the
+  runtime table at address `cuda_table`; its moves are device-to-device copies on the stream given to set_move_stream). Requests <= small_threshold bytes go to a small region at the
   top of the range (small_region bytes; default budget/64, at most 64 MiB) that eviction never scans.
   search: "window" (Coop's cheapest contiguous window), "one_at_a_time" (cheapest single block), or
   "handler" (no search: the pressure handler chooses alone and gets window=None).
@@ -246,6 +246,9 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
            "returns [(old_addr, new_addr)] for those that moved. Callers repoint their owners.")
       .def("move_block", &Arena::move_block, py::arg("from_addr"), py::arg("to_addr"),
            "Move one allocated block's bytes to to_addr, inside one free block; frees the old range.")
+      .def("set_move_stream", &Arena::set_move_stream, py::arg("stream"),
+           "The cudaStream_t (as an int; 0: the legacy default stream) that a CUDA arena's moves are\n"
+           "queued on: kernels queued there before a move read the old bytes, those after it the new.")
       .def("set_pressure_handler",
            [](Arena& a, py::object fn) {
              if (fn.is_none()) return a.set_pressure_handler(nullptr);

@@ -482,6 +482,24 @@ extern "C" {
 
 PYMEM_CUDA_API int pymem_cuda_abi_version(void) { return PYMEM_CUDA_ABI_VERSION; }
 
+PYMEM_CUDA_API int pymem_cuda_relocate(void* from, void* to, int device) {
+  State& s = state();
+  std::lock_guard<std::mutex> lock(s.mu);
+  Device* d = find_device_locked(s, device);
+  const uintptr_t old_addr = reinterpret_cast<uintptr_t>(from), new_addr = reinterpret_cast<uintptr_t>(to);
+  auto it = d ? d->live.find(old_addr) : std::unordered_map<uintptr_t, BlockInfo>::iterator();
+  if (!d || it == d->live.end())
+    return fail(PYMEM_CUDA_E_INVALID, "pymem: relocate: " + format_address(old_addr) +
+                                          " is not a live pymem block of device " + std::to_string(device));
+  if (d->live.count(new_addr))
+    return fail(PYMEM_CUDA_E_INVALID, "pymem: relocate: " + format_address(new_addr) + " is already live on device " +
+                                          std::to_string(device));
+  BlockInfo info = std::move(it->second);
+  d->live.erase(it);
+  d->live.emplace(new_addr, std::move(info));
+  return 0;
+}
+
 PYMEM_CUDA_API int pymem_cuda_configure(size_t budget, size_t small_threshold, int search_mode) {
   return guarded("pymem_cuda_configure", [&] {
     if (search_mode != PYMEM_CUDA_SEARCH_WINDOW && search_mode != PYMEM_CUDA_SEARCH_ONE_AT_A_TIME)

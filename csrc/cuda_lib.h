@@ -53,7 +53,7 @@ extern "C" {
 
 /* Bumped whenever a declaration below changes; the ctypes wrapper refuses a library it does not
  * know. 2: block providers. */
-#define PYMEM_CUDA_ABI_VERSION 3
+#define PYMEM_CUDA_ABI_VERSION 4
 
 enum {
   PYMEM_CUDA_OK = 0,
@@ -126,6 +126,10 @@ PYMEM_CUDA_API int pymem_cuda_free_checked(void* ptr, int device);
  * should release victims with it: with several allocating threads, a victim may already have been
  * released by another handler, and its address handed out again, by the time this one runs. */
 PYMEM_CUDA_API int pymem_cuda_free_owned(void* ptr, int device, uint64_t owner);
+
+/* Compaction moved the live block at `from` (its bytes and its arena block) to `to`: it is known by
+ * `to` from now on (its streams and owner unchanged). PYMEM_CUDA_E_INVALID if `from` is not live. */
+PYMEM_CUDA_API int pymem_cuda_relocate(void* from, void* to, int device);
 
 /* The block at ptr is also used on `stream`: its free waits for that stream's work. */
 PYMEM_CUDA_API int pymem_cuda_record_stream(void* ptr, int device, void* stream);

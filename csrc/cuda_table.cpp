@@ -30,6 +30,7 @@ template <> struct Abi<cudaError_t> { using type = int; };
 template <> struct Abi<cudaStream_t> { using type = void*; };
 template <> struct Abi<cudaEvent_t> { using type = void*; };
 template <> struct Abi<cudaEvent_t*> { using type = void**; };
+template <> struct Abi<cudaMemcpyKind> { using type = int; };
 
 template <class F> struct AbiFn;
 template <class R, class... A> struct AbiFn<R (*)(A...)> {
@@ -43,6 +44,8 @@ static_assert(sizeof(cudaError_t) == sizeof(int), "cudaError_t is returned as in
 static_assert(static_cast<int>(cudaErrorNotReady) == PYMEM_CUDA_ERROR_NOT_READY,
               "PYMEM_CUDA_ERROR_NOT_READY must equal cudaErrorNotReady");
 static_assert(cudaEventDisableTiming == 0x02, "cuda_lib.cpp creates events with flag 0x02");
+static_assert(static_cast<int>(cudaMemcpyDeviceToDevice) == PYMEM_CUDA_MEMCPY_DEVICE_TO_DEVICE,
+              "PYMEM_CUDA_MEMCPY_DEVICE_TO_DEVICE must equal cudaMemcpyDeviceToDevice");
 
 #define PYMEM_CHECK_ENTRY(field, fn)                                                          \
   static_assert(std::is_same<AbiFn<decltype(&fn)>::type, decltype(pymem_cuda_table::field)>::value, \
@@ -59,6 +62,7 @@ PYMEM_CHECK_ENTRY(event_synchronize, cudaEventSynchronize);
 PYMEM_CHECK_ENTRY(stream_wait_event, cudaStreamWaitEvent);
 PYMEM_CHECK_ENTRY(host_alloc, cudaHostAlloc);
 PYMEM_CHECK_ENTRY(free_host, cudaFreeHost);
+PYMEM_CHECK_ENTRY(memcpy_async, cudaMemcpyAsync);
 #undef PYMEM_CHECK_ENTRY
 #endif
 
@@ -117,7 +121,8 @@ const pymem_cuda_table* load_cuda_runtime(std::string* error) {
         bind(h, "cudaEventQuery", &t.event_query, &msg) &&
         bind(h, "cudaEventSynchronize", &t.event_synchronize, &msg) &&
         bind(h, "cudaStreamWaitEvent", &t.stream_wait_event, &msg) &&
-        bind(h, "cudaHostAlloc", &t.host_alloc, &msg) && bind(h, "cudaFreeHost", &t.free_host, &msg)) {
+        bind(h, "cudaHostAlloc", &t.host_alloc, &msg) && bind(h, "cudaFreeHost", &t.free_host, &msg) &&
+        bind(h, "cudaMemcpyAsync", &t.memcpy_async, &msg)) {
       table = t;
       loaded = true;
       return &table;

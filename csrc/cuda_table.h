@@ -14,6 +14,7 @@ extern "C" {
 #endif
 
 #define PYMEM_CUDA_ERROR_NOT_READY 600
+#define PYMEM_CUDA_MEMCPY_DEVICE_TO_DEVICE 3
 
 typedef struct pymem_cuda_table {
   int (*malloc)(void** ptr, size_t bytes);                 /* cudaMalloc */
@@ -28,6 +29,9 @@ typedef struct pymem_cuda_table {
   int (*stream_wait_event)(void* stream, void* event, unsigned flags); /* cudaStreamWaitEvent */
   int (*host_alloc)(void** ptr, size_t bytes, unsigned flags); /* cudaHostAlloc: the host pool's chunks */
   int (*free_host)(void* ptr);                             /* cudaFreeHost */
+  /* cudaMemcpyAsync; kind as cudaMemcpyKind (PYMEM_CUDA_MEMCPY_DEVICE_TO_DEVICE for compaction).
+   * Its ranges must not overlap: CUDA leaves that undefined. */
+  int (*memcpy_async)(void* dst, const void* src, size_t bytes, int kind, void* stream);
 } pymem_cuda_table;
 
 #ifdef __cplusplus

@@ -74,7 +74,57 @@ class PluggableCPUAllocator final : public c10::Allocator {
 
 PluggableCPUAllocator g_allocator;
 
+// ---- relocation (compaction of the library's arena) ------------------------------------------
+
+using RelocateFn = int (*)(void*, void*, int);
+std::atomic<RelocateFn> g_relocate{nullptr};
+std::atomic<FreeFn> g_moved_free{nullptr};
+
+// A moved CUDA block: its current address and device, for the library's free.
+struct MovedBlock {
+  void* ptr;
+  int device;
+};
+
+void moved_delete(void* ctx) {
+  auto* m = static_cast<MovedBlock*>(ctx);
+  g_moved_free.load(std::memory_order_acquire)(m->ptr, 0, m->device, nullptr);
+  delete m;
+}
+
 }  // namespace
+
+void set_pluggable_relocation(uintptr_t relocate_fn, uintptr_t free_fn) {
+  if (!relocate_fn || !free_fn) throw InvalidArgument("set_pluggable_relocation needs relocate and free functions");
+  g_moved_free.store(reinterpret_cast<FreeFn>(free_fn), std::memory_order_release);
+  g_relocate.store(reinterpret_cast<RelocateFn>(relocate_fn), std::memory_order_release);
+}
+
+bool relocate_pluggable(c10::StorageImpl* s, uintptr_t to) {
+  RelocateFn relocate = g_relocate.load(std::memory_order_acquire);
+  const c10::DataPtr& old = s->data_ptr();
+  const c10::Device dev = old.device();
+  const bool cpu_route = old.get_deleter() == &pluggable_delete;
+  const bool moved = old.get_deleter() == &moved_delete;
+  if (!relocate || !(cpu_route || moved || dev.is_cuda())) return false;
+  const int device = dev.is_cuda() ? dev.index() : 0;
+  void* p = reinterpret_cast<void*>(to);
+  const int rc = relocate(old.get(), p, device);
+  TORCH_CHECK(rc == 0, "pymem: the CUDA library refused to relocate ", old.get(), " (error ", rc, ")");
+  c10::DataPtr next;
+  if (cpu_route) {
+    next = c10::DataPtr(p, p, &pluggable_delete, dev);
+  } else if (moved) {
+    auto* m = static_cast<MovedBlock*>(old.get_context());
+    m->ptr = p;
+    next = c10::DataPtr(p, m, &moved_delete, dev);
+  } else {
+    next = c10::DataPtr(p, new MovedBlock{p, device}, &moved_delete, dev);
+  }
+  c10::DataPtr prev = s->set_data_ptr(std::move(next));
+  (void)prev.release_context();  // the block lives on at `to`: nothing of the old one is freed
+  return true;
+}
 
 uintptr_t arena_block_provider(std::shared_ptr<Arena> arena) {
   if (!arena) throw InvalidArgument("arena_block_provider needs an arena");

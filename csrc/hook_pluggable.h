@@ -8,6 +8,8 @@
 // the library on a fake CUDA table over host memory: how the whole route runs in tests without a GPU.
 #pragma once
 
+#include <c10/core/StorageImpl.h>
+
 #include <cstdint>
 #include <memory>
 
@@ -25,6 +27,16 @@ uintptr_t arena_block_provider(std::shared_ptr<Arena> arena);
 void install_pluggable_cpu_hook(uintptr_t alloc_fn, uintptr_t free_fn);
 // Gives PyTorch back the allocator it had; tensors made meanwhile are still freed through free_fn.
 void uninstall_pluggable_cpu_hook();
+
+// Compaction across the library: relocate_fn is pymem_cuda_relocate (the library learns the block's
+// new address), free_fn pymem_cuda_free (the deleter of a moved block calls it with the new one).
+void set_pluggable_relocation(uintptr_t relocate_fn, uintptr_t free_fn);
+// Repoints storage `s`, whose library block compaction moved to `to`: the library's record first,
+// then the DataPtr. False if `s` did not come through the library (or no relocation is set). A
+// moved CUDA block gets a deleter of ours: PyTorch's pluggable deleter frees by the address it
+// handed out (its metadata entry for the old address goes stale, and is overwritten when the
+// library hands that address out again).
+bool relocate_pluggable(c10::StorageImpl* s, uintptr_t to);
 
 // alloc_fn(nbytes, device, stream) called from C++, for Python callers (CuPy's allocator,
 // pymem/cupy.py): a block provider's refusal is thrown through the library, which ctypes cannot

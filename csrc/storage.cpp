@@ -2,6 +2,7 @@
 #include "storage.h"
 
 #include "hook_cpu.h"
+#include "hook_pluggable.h"
 
 #include <c10/core/StorageImpl.h>
 #include <c10/util/Exception.h>
@@ -102,8 +103,12 @@ void StorageRef::relocate(uintptr_t addr) {
   auto s = lock("relocate");
   const c10::DataPtr& old = s->data_ptr();
   TORCH_CHECK(old.get() != nullptr, "pymem.StorageRef.relocate: the storage is evicted");
-  TORCH_CHECK(is_cpu_hook_buffer(old.get(), old.get_context(), old.get_deleter()),
-              "pymem.StorageRef.relocate: the buffer was not allocated by pymem's CPU hook, so it cannot be moved");
+  if (!is_cpu_hook_buffer(old.get(), old.get_context(), old.get_deleter())) {
+    TORCH_CHECK(relocate_pluggable(s.get(), addr),
+                "pymem.StorageRef.relocate: the buffer was allocated neither by pymem's CPU hook nor through "
+                "pymem's CUDA library, so it cannot be moved");
+    return;
+  }
   void* p = reinterpret_cast<void*>(addr);
   c10::DataPtr prev = s->set_data_ptr(c10::DataPtr(p, p, old.get_deleter(), old.device()));
   (void)prev.release_context();  // ownership dropped, deleter not run: the old address is no longer ours to free

@@ -1,8 +1,8 @@
 """The `pymem` command (also `python -m pymem`).
 
-  pymem demo   train a small GPT-style model on CPU twice, unmanaged and under pymem with a budget
-               of 40% of its peak, and show peak, budget, slowdown, evictions and that the losses
-               and parameters match bitwise
+  pymem demo   train a small GPT-style model twice (CPU, or --device cuda), unmanaged and under pymem
+               with a budget of 40% of its peak, and show peak, budget, slowdown, evictions and that
+               the losses and parameters match bitwise
   pymem run    pymem run --budget 2GB [--policy P] [--allocator native] [--offload D] [--no-prefetch] [--plan off] [--host-budget 64GB]
                -- script.py args...: the script under pymem,
                a memory summary at exit
@@ -50,24 +50,34 @@ def cmd_info(args) -> int:
     return 0
 
 
+_DEMO_SIZES = {"cpu": (8, 128), "cuda": (64, 256)}  # batch, seq: a step of tens of ms on each
+
+
 def cmd_demo(args) -> int:
+    device = args.device or "cpu"
+    if device not in _DEMO_SIZES:
+        print(f"pymem demo: --device {device!r} is not a demo device; accepted: cpu, cuda", file=sys.stderr)
+        return 2
+    batch, seq = args.batch or _DEMO_SIZES[device][0], args.seq or _DEMO_SIZES[device][1]
+    if device == "cuda":
+        return _demo_cuda(args, batch, seq)
+
     import time
 
     import torch
 
     import pymem
     from pymem.demo_models import gpt_trainer
-    from pymem.testing import all_bitwise_equal
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     steps = args.steps
-    print(f"pymem demo: TinyGPT (4 layers, d=128, batch {args.batch} x seq {args.seq}), {steps} Adam steps on CPU")
+    print(f"pymem demo: TinyGPT (4 layers, d=128, batch {batch} x seq {seq}), {steps} Adam steps on CPU")
 
     # Unmanaged, with the allocations counted by a plain arena (no eviction) to learn the peak.
     probe = pymem.Arena(8 << 30, small_threshold=0)
     pymem.install_cpu_hook(probe)
     try:
-        step = gpt_trainer(batch=args.batch, seq=args.seq)
+        step = gpt_trainer(batch=batch, seq=seq)
         t0 = time.perf_counter()
         ref = [step() for _ in range(steps)]
         plain_s = time.perf_counter() - t0
@@ -78,26 +88,105 @@ def cmd_demo(args) -> int:
     peak = probe.stats()["allocated_bytes.peak"]
     budget = int(peak * args.ratio)
 
-    with pymem.budget(budget):
-        step = gpt_trainer(batch=args.batch, seq=args.seq)
+    with pymem.budget(budget, device="cpu"):  # on a GPU machine too: the demo's tensors are the CPU's
+        step = gpt_trainer(batch=batch, seq=seq)
         t0 = time.perf_counter()
         got = [step() for _ in range(steps)]
         managed_s = time.perf_counter() - t0
         params = [p.detach().clone() for p in step.model.parameters()]
         del step
         st = pymem.memory_stats()
+    return _demo_report(args.ratio, peak, (ref, ref_params, plain_s), (got, params, managed_s), st)
 
+
+def _demo_report(ratio, peak, unmanaged, managed, st) -> int:
+    from pymem.testing import all_bitwise_equal
+
+    (ref, ref_params, plain_s), (got, params, managed_s) = unmanaged, managed
     same = got == ref and all_bitwise_equal(params, ref_params)
     print(f"  losses (unmanaged): {', '.join(f'{x:.6f}' for x in ref)}")
     print(f"  losses (pymem):     {', '.join(f'{x:.6f}' for x in got)}")
     print(f"  bitwise equal (losses and parameters): {'yes' if same else 'NO'}")
-    print(f"  unmanaged peak {_fmt(peak)}; budget {_fmt(st['budget_bytes'])} ({args.ratio:.0%} of it); "
+    print(f"  unmanaged peak {_fmt(peak)}; budget {_fmt(st['budget_bytes'])} ({ratio:.0%} of it); "
           f"pymem peak {_fmt(st['allocated_bytes.peak'])} (never above the budget)")
     print(f"  {st['num_evictions']} evictions, {st['num_rematerializations']} rematerializations "
-          f"({st['remat_seconds']:.2f} s), {st['num_compactions']} compactions")
+          f"({st['remat_seconds']:.2f} s), {st['num_compactions']} compactions, "
+          f"{_fmt(st.get('offloaded_bytes', 0))} offloaded")
     print(f"  slowdown {managed_s / plain_s:.2f}x ({managed_s:.2f} s vs {plain_s:.2f} s unmanaged)")
     ok = same and st["allocated_bytes.peak"] <= st["budget_bytes"]
     return 0 if ok else 1
+
+
+def _deterministic_cuda():
+    """Bitwise-reproducible CUDA kernels, in the reference process and the managed one alike."""
+    import torch
+
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    # float32 attention runs the memory-efficient kernel, whose backward adds with atomics: two
+    # unmanaged runs differ. The math kernel is deterministic.
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def _demo_cuda(args, batch: int, seq: int) -> int:
+    """On CUDA pymem's arena must replace PyTorch's allocator before CUDA starts, so the unmanaged
+    reference (its peak, losses and parameters) runs in a child process first."""
+    import subprocess
+    import tempfile
+    import time
+
+    # deterministic cuBLAS (PyTorch's reproducibility notes); read when CUDA starts, so set first
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    import torch
+
+    import pymem
+    from pymem.demo_models import gpt_trainer
+
+    if not torch.cuda.is_available():
+        print("pymem demo: --device cuda, but CUDA is not available here", file=sys.stderr)
+        return 2
+    steps = args.steps
+    _deterministic_cuda()
+    if args.reference_out:  # the child: unmanaged, PyTorch's caching allocator
+        torch.cuda.reset_peak_memory_stats()
+        step = gpt_trainer(batch=batch, seq=seq, device="cuda")
+        losses, times = _timed_steps(step, steps, time)
+        torch.save({"losses": losses, "seconds": sum(times[1:]), "peak": torch.cuda.max_memory_allocated(),
+                    "params": [p.detach().cpu() for p in step.model.parameters()]}, args.reference_out)
+        return 0
+    print(f"pymem demo: TinyGPT (4 layers, d=128, batch {batch} x seq {seq}), {steps} Adam steps on CUDA "
+          f"(the first step not timed)")
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "reference.pt")
+        r = subprocess.run([sys.executable, "-m", "pymem", "demo", "--device", "cuda", "--steps", str(steps),
+                            "--batch", str(batch), "--seq", str(seq), "--reference-out", out])
+        if r.returncode:
+            print(f"pymem demo: the unmanaged reference run failed (exit {r.returncode})", file=sys.stderr)
+            return r.returncode
+        ref = torch.load(out)
+    peak = ref["peak"]
+    with pymem.budget(int(peak * args.ratio), device="cuda"):
+        step = gpt_trainer(batch=batch, seq=seq, device="cuda")
+        got, times = _timed_steps(step, steps, time)
+        params = [p.detach().cpu() for p in step.model.parameters()]
+        del step
+        st = pymem.memory_stats()
+    print(f"  device: {torch.cuda.get_device_name()}")
+    return _demo_report(args.ratio, peak, (ref["losses"], ref["params"], ref["seconds"]),
+                        (got, params, sum(times[1:])), st)
+
+
+def _timed_steps(step, steps, time):
+    """Each step's loss (``.item()`` waits for the device) and wall time."""
+    losses, times = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    return losses, times
 
 
 def cmd_run(args) -> int:
@@ -210,10 +299,12 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="pymem", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("demo", help="train a small GPT on CPU through the pymem arena")
+    d = sub.add_parser("demo", help="train a small GPT through the pymem arena (CPU, or --device cuda)")
     d.add_argument("--steps", type=int, default=3)
-    d.add_argument("--batch", type=int, default=8)
-    d.add_argument("--seq", type=int, default=128)
+    d.add_argument("--batch", type=int, default=None, help="default 8 on CPU, 64 on CUDA")
+    d.add_argument("--seq", type=int, default=None, help="default 128 on CPU, 512 on CUDA")
+    d.add_argument("--device", default="cpu", help="cpu (the default) or cuda")
+    d.add_argument("--reference-out", default=None, help=argparse.SUPPRESS)  # the CUDA demo's unmanaged child
     d.add_argument("--ratio", type=float, default=0.4, help="budget as a share of the unmanaged peak")
     d.set_defaults(fn=cmd_demo)
     r = sub.add_parser("run", help="run a script under pymem: pymem run --budget 2GB -- script.py args...")

@@ -18,7 +18,7 @@ __all__ = ["library_path", "load", "pluggable_allocator", "CudaLib", "CudaTable"
            "CUDA_ERROR_NOT_READY"]
 
 LIB_NAME = "libpymem_cuda.so"
-ABI_VERSION = 3  # PYMEM_CUDA_ABI_VERSION
+ABI_VERSION = 4  # PYMEM_CUDA_ABI_VERSION
 CUDA_ERROR_NOT_READY = 600  # PYMEM_CUDA_ERROR_NOT_READY (cudaErrorNotReady)
 
 # Error codes (PYMEM_CUDA_E_*).
@@ -56,6 +56,9 @@ EVENT_SYNCHRONIZE_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
 STREAM_WAIT_EVENT_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint)
 HOST_ALLOC_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
 FREE_HOST_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+MEMCPY_ASYNC_FN = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                   ctypes.c_void_p)
+MEMCPY_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 
 
 class CudaTable(ctypes.Structure):
@@ -78,6 +81,7 @@ class CudaTable(ctypes.Structure):
         ("stream_wait_event", STREAM_WAIT_EVENT_FN),
         ("host_alloc", HOST_ALLOC_FN),
         ("free_host", FREE_HOST_FN),
+        ("memcpy_async", MEMCPY_ASYNC_FN),
     ]
 
 
@@ -153,6 +157,7 @@ class CudaLib:
             "pymem_cuda_free_checked": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int]),
             "pymem_cuda_free_owned": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64]),
             "pymem_cuda_record_stream": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]),
+            "pymem_cuda_relocate": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]),
             "pymem_cuda_set_primary_stream": (ctypes.c_int, [ctypes.c_int, ctypes.c_void_p]),
             "pymem_cuda_set_pressure_handler": (None, [PRESSURE_FN, ctypes.c_void_p]),
             "pymem_cuda_set_owner": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64,
@@ -246,6 +251,13 @@ class CudaLib:
         """Addresses of pymem_cuda_alloc and pymem_cuda_free (CUDAPluggableAllocator's signatures)."""
         cast = ctypes.cast
         return (cast(self._lib.pymem_cuda_alloc, ctypes.c_void_p).value,
+                cast(self._lib.pymem_cuda_free, ctypes.c_void_p).value)
+
+    def relocation_points(self):
+        """Addresses of pymem_cuda_relocate and pymem_cuda_free: what pymem._C needs to repoint a
+        storage whose block compaction moved (``_C.set_pluggable_relocation``)."""
+        cast = ctypes.cast
+        return (cast(self._lib.pymem_cuda_relocate, ctypes.c_void_p).value,
                 cast(self._lib.pymem_cuda_free, ctypes.c_void_p).value)
 
     def set_primary_stream(self, device, stream):

@@ -32,12 +32,13 @@ class TinyGPT(torch.nn.Module):
         return self.head(self.blocks(self.emb(idx) + self.pos[: idx.shape[1]]))
 
 
-def gpt_trainer(batch: int = 16, seq: int = 256, seed: int = 0, vocab: int = 512):
-    """Returns step() -> loss (a float): one Adam step of TinyGPT on a fixed random batch."""
+def gpt_trainer(batch: int = 16, seq: int = 256, seed: int = 0, vocab: int = 512, device=None):
+    """Returns step() -> loss (a float): one Adam step of TinyGPT on a fixed random batch, made on
+    ``device`` (the default device when None)."""
     torch.manual_seed(seed)
-    model = TinyGPT(vocab=vocab, seq=seq)
+    model = TinyGPT(vocab=vocab, seq=seq).to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    idx = torch.randint(0, vocab, (batch, seq))
+    idx = torch.randint(0, vocab, (batch, seq), device=device)
 
     def step() -> float:
         opt.zero_grad(set_to_none=False)

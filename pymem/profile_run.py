@@ -66,6 +66,8 @@ class _Run:
         self._boundary()
 
     def _boundary(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.synchronize()  # a step ends when its kernels do, not when Python queued them
         self.times.append(time.perf_counter())
         k = len(self.times) - 1
         self.send(event="step", step=k)

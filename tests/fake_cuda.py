@@ -31,6 +31,7 @@ class FakeCuda:
         self.host_frees = []
         self.fail_host_alloc = 0
         self.fail_event_record = 0
+        self.copies = []    # (dst, src, bytes, stream) of each cudaMemcpyAsync
         self._next_event = 0xE000
         t = cuda_lib.CudaTable()
         self._callbacks = dict(
@@ -46,6 +47,7 @@ class FakeCuda:
             stream_wait_event=cuda_lib.STREAM_WAIT_EVENT_FN(self._stream_wait_event),
             host_alloc=cuda_lib.HOST_ALLOC_FN(self._host_alloc),
             free_host=cuda_lib.FREE_HOST_FN(self._free_host),
+            memcpy_async=cuda_lib.MEMCPY_ASYNC_FN(self._memcpy_async),
         )
         for name, cb in self._callbacks.items():
             setattr(t, name, cb)
@@ -78,6 +80,14 @@ class FakeCuda:
     def _free_host(self, ptr):
         self.host_frees.append(ptr)
         self.host_buffers.pop(ptr, None)
+        return 0
+
+    def _memcpy_async(self, dst, src, n, kind, stream):
+        """Done at once (a fake stream runs in call order); refuses what CUDA leaves undefined."""
+        assert kind == cuda_lib.MEMCPY_DEVICE_TO_DEVICE, kind
+        assert dst + n <= src or src + n <= dst, f"overlapping cudaMemcpyAsync: {dst:#x} <- {src:#x}, {n} B"
+        self.copies.append((dst, src, n, stream))
+        ctypes.memmove(dst, src, n)
         return 0
 
     def _get_device(self, pdev):

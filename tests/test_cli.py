@@ -23,6 +23,15 @@ def test_demo_trains_bitwise_identically_inside_the_budget():
     assert evictions > 0
 
 
+def test_demo_device_is_checked():
+    p = run("demo", "--device", "tpu")
+    assert p.returncode == 2 and "--device 'tpu' is not a demo device; accepted: cpu, cuda" in p.stderr, p.stderr
+    import torch
+    if not torch.cuda.is_available():
+        p = run("demo", "--device", "cuda")
+        assert p.returncode == 2 and "--device cuda, but CUDA is not available here" in p.stderr, p.stderr
+
+
 SCRIPT = """
 import sys, torch
 w = torch.randn(128, 128, requires_grad=True)
@@ -37,7 +46,7 @@ print("args", sys.argv[1:], "grad", float(w.grad.abs().sum()) > 0)
 def test_run_executes_the_script_under_pymem_and_prints_a_summary(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    p = run("run", "--budget", "3MiB", "--", str(script), "--lr", "0.1")
+    p = run("run", "--budget", "3MiB", "--device", "cpu", "--", str(script), "--lr", "0.1")
     assert p.returncode == 0, p.stdout + p.stderr
     assert "args ['--lr', '0.1'] grad True" in p.stdout
     assert "pymem memory summary" in p.stderr and "3.0 MiB" in p.stderr

@@ -8,11 +8,17 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-import torch
+# cuBLAS keeps a workspace per thread and stream (32 MiB each on Hopper by default: the forward's
+# thread and autograd's): unreleasable bytes that would be half of this small model's budget. Set
+# before CUDA starts, as PyTorch's reproducibility notes ask for deterministic cuBLAS; the subprocess
+# inherits it.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":16:8")
 
-import pymem
-from pymem.demo_models import TinyGPT
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import pymem  # noqa: E402
+from pymem.demo_models import TinyGPT  # noqa: E402
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -46,14 +52,17 @@ def deterministic():
     pymem.disable()
 
 
-def test_native_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic):
+def test_native_cuda_training_is_bitwise_equal_at_0_7_of_the_peak(deterministic):
+    """The cap holds reserved bytes, and the caching allocator returns a segment to the driver only
+    when it is wholly free: at half the peak, many half-used segments hold the budget (seen on an
+    H100: 13 MiB allocated, 77 MiB reserved, a 2 MiB request refused). The arena goes lower."""
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_reserved()
     ref_losses, ref_params = train()
     peak = torch.cuda.max_memory_reserved() - base
     torch.cuda.empty_cache()
-    budget = base + peak // 2
+    budget = base + peak * 7 // 10
     rt = pymem.enable(budget, device="cuda", allocator="native", offload="never")
     assert rt.cost_model is not None  # the CUDA default: estimates
     losses, params = train()
@@ -106,3 +115,13 @@ def test_arena_cuda_training_is_bitwise_equal_at_half_the_peak(deterministic, tm
     else:
         assert stats["num_offloads"] + stats["num_evictions"] > 0, stats
     assert got["after"] == 1000.0
+
+
+def test_demo_on_cuda_trains_bitwise_inside_the_budget():
+    """`pymem demo --device cuda`: the unmanaged reference in a child, the arena in this one."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "pymem", "demo", "--device", "cuda", "--steps", "3", "--batch", "16",
+                        "--seq", "256"], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "bitwise equal (losses and parameters): yes" in p.stdout, p.stdout

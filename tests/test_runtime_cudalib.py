@@ -57,12 +57,26 @@ def test_training_through_the_cuda_library_is_bitwise_equal(fake, name):
     assert rt.arena.backing == "cuda" and budget in fake.mallocs  # the slab is the table's cudaMalloc
     assert stats["allocated_bytes.peak"] <= stats["budget_bytes"] == budget, stats
     assert stats["num_evictions"] > 0 and stats["num_rematerializations"] > 0, stats
-    assert not rt.can_compact  # a CUDA slab does not move blocks
+    # compaction moves the slab's blocks with the table's device-to-device copies, byte for byte
+    assert rt.can_compact and sum(n for _, _, n, _ in fake.copies) == stats["moved_bytes"], stats
+
+
+def test_compaction_through_the_cuda_library_moves_blocks_and_stays_bitwise(fake):
+    """Below what placement alone reaches: blocks move (copies that never overlap, as CUDA
+    requires: the fake table refuses overlapping ones), the library follows them to their new
+    addresses, and every moved block is freed there in the end (the fixture's reset checks)."""
+    name = "gpt"
+    budget = budget_for(name, 0.35)
+    rt, losses, copies, stats = run_managed(fake, name, budget)
+    check_same(name, reference(name), (losses, copies))
+    assert stats["allocated_bytes.peak"] <= stats["budget_bytes"] == budget, stats
+    assert stats["num_compactions"] > 0 and stats["moved_bytes"] > 0, stats
+    assert sum(n for _, _, n, _ in fake.copies) == stats["moved_bytes"], stats
 
 
 def test_offloading_through_the_cuda_library_is_bitwise_equal(fake):
     """Copies out, back and ahead (the prefetch buffer is a library block filled beside compute)."""
-    # 70%: without compaction (a CUDA slab's blocks do not move), tighter runs depend on layout luck.
+    # 70%: offloading alone, no recompute (tighter runs are the recompute tests above).
     budget = budget_for("gpt", 0.7)
     rt, losses, copies, stats = run_managed(fake, "gpt", budget, offload="always")
     check_same("gpt", reference("gpt"), (losses, copies))

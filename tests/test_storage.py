@@ -65,7 +65,7 @@ def test_bad_adopt_and_evict_are_clear_errors_and_change_nothing():
 
 def test_relocate_refuses_buffers_the_hook_did_not_allocate():
     t = torch.arange(16.0)  # PyTorch's own allocator
-    with pytest.raises(RuntimeError, match="was not allocated by pymem's CPU hook, so it cannot be moved"):
+    with pytest.raises(RuntimeError, match="allocated neither by pymem's CPU hook nor through pymem's CUDA library, so it cannot be moved"):
         _C.StorageRef(t).relocate(t.data_ptr() + 512)
     assert torch.equal(t, torch.arange(16.0))
 

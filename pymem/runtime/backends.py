@@ -33,7 +33,7 @@ class ArenaBackend:
     def __init__(self, hook, budget: int) -> None:
         self.hook = hook
         self.arena = hook.make_arena(budget)
-        self.can_compact = self.arena.backing != "cuda"  # a CUDA slab's blocks do not move (yet)
+        self.can_compact = True
         self.lo, self.hi = self.arena.base, self.arena.base + budget
         self.main_hi = self.hi - self.arena.small_region_size  # [lo, main_hi): blocks that compact
         self.releasable_range = (self.lo, self.main_hi)  # see releasable (the fast path reads it)
@@ -70,6 +70,12 @@ class ArenaBackend:
 
     def history(self):
         return self.arena if _snap.recording() else None
+
+    def before_moves(self) -> None:
+        """Compaction is about to move blocks: on CUDA, order the copies on this thread's stream."""
+        stream = getattr(self.hook, "move_stream", None)
+        if stream is not None:
+            self.arena.set_move_stream(stream())
 
     def make_room(self, rt, e: BaseException, round: int) -> bool:
         """The handler released all it could before refusing: compact, the op's inputs movable."""

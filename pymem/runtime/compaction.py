@@ -95,6 +95,7 @@ def compact_for(rt, request: int) -> bool:
     if chosen is None:
         return False
     seg, moves, victims = chosen
+    rt.backend.before_moves()
     keep = []  # nothing moved may die mid-move
     for a, _ in seg.movable:
         sref = movable[a][1]
@@ -133,6 +134,7 @@ def defragment_after_failure(rt) -> bool:
     try:
         movable = movable_blocks(rt)
         keep = [m[1].strong() for m in movable.values()]
+        rt.backend.before_moves()
         moved = _slide(rt, movable, sorted(movable))
         del keep
         return moved

@@ -7,7 +7,9 @@
                refusal raises pymem.OutOfBudgetError from the op. PyTorch allows the swap only
                before CUDA initialises, and never back: it is done once per process, and after
                ``disable()`` the library passes requests straight to cudaMalloc / cudaFree. The
-               arena is one cudaMalloc slab whose blocks do not move, so it never compacts.
+               arena is one cudaMalloc slab; compaction moves its blocks with device-to-device
+               copies on the compacting thread's current stream (``move_stream``), so every kernel
+               queued there before reads the old bytes and every one after the new.
                ``route="cpu"`` sends CPU tensors down the same path (the pluggable CPU hook) with
                the library on a fake CUDA table over host memory: the route's tests without a GPU.
 """
@@ -107,7 +109,12 @@ class CudaLibHook:
         return _C.Arena(budget, backing="cuda", device=self.index, cuda_table=self.lib.runtime_table(),
                         search="handler")
 
+    def move_stream(self) -> int:
+        """The stream compaction's copies go on: the current one (the fake table's route: 0)."""
+        return torch.cuda.current_stream(self.index).cuda_stream if self.route == "cuda" else 0
+
     def install(self, arena) -> None:
+        _C.set_pluggable_relocation(*self.lib.relocation_points())
         self.lib.set_provider(self.index, _C.arena_block_provider(arena))
         if self.route == "cpu":
             _C.install_pluggable_cpu_hook(*self.lib.entry_points())
