@@ -138,7 +138,8 @@ class Profiler:
     def _simulated(self, ratio: float, budget: int) -> Dict:
         from .sim.replay import simulate
 
-        r = simulate(self.trace, budget, policy=self.policy, offload=self.offload or "never", plan="auto",
+        # the default by device, as a run on that GPU would have it: delta (see pymem.enable)
+        r = simulate(self.trace, budget, policy=self.policy, offload=self.offload or "delta", plan="auto",
                      device=self.gpu)
         point = {"ratio": ratio, "budget_bytes": budget, "status": r["status"], "peak_bytes": r["peak_bytes"],
                  "evictions": r["evictions"], "recompute_seconds": r["recompute_seconds"],

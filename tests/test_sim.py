@@ -259,6 +259,28 @@ def test_trace_cli_captures_a_script_and_sim_replays_it(tmp_path, capsys):
     assert "give one of --budget" in capsys.readouterr().err
 
 
+def test_capture_reads_item_as_one_so_bias_corrections_do_not_divide_by_zero(tmp_path):
+    """Seen on a GPU machine's torch: Adam read its step counter with .item() on meta, and a 0 made
+    its bias correction 1 - beta1 ** step divide by zero."""
+    from pymem.sim.capture import capture_script
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import torch\n"
+        "w = torch.nn.Parameter(torch.randn(64, 64))\n"
+        "opt = torch.optim.SGD([w], lr=0.1)\n"
+        "step = torch.zeros(())\n"
+        "for i in range(4):\n"
+        "    step += 1\n"
+        "    scale = 0.1 / (1 - 0.9 ** step.item())  # Adam's step size, in Python floats\n"
+        "    loss = (w @ w).square().mean() * scale\n"
+        "    if torch.isnan(loss).any().item():\n"
+        "        raise SystemExit('a flag must read False')\n"
+        "    loss.backward()\n"
+        "    opt.step()\n")
+    t = capture_script(str(script))
+    assert t.num_ops > 3 and t.backward_at > 0
+
+
 def test_trace_cli_refuses_an_unknown_model(tmp_path, capsys):
     assert cli.main(["trace", "gpt5", "--out", str(tmp_path / "x.npz")]) == 2
     assert "unknown model 'gpt5'" in capsys.readouterr().err

@@ -279,3 +279,180 @@ def test_capuchin_director_trains_bitwise_equal(managed, name):
     stats = _run_with_bandwidth(managed, name, 0.3, _median_bandwidth(name), offload="capuchin")
     assert stats["num_offloads"] > 0 and stats["num_evictions"] > 0, stats
     assert stats["plan_hits"] > 0
+
+
+def test_copy_times_count_every_copy_made():
+    """The copies' own time (stats offload_copy_* / swap_in_copy_*; CPU: each copy timed where it
+    runs): once every copy landed (disable), the bytes timed are the bytes copied, each way, and
+    the seconds are there exactly when copies were made; the stall is the calling thread's part."""
+    budget = budget_for("gpt", 0.3)
+    pymem.enable(budget, device="cpu", offload="always")
+    try:
+        step = rm.trainer("gpt")
+        for _ in range(3):
+            step()
+        live = pymem.memory_stats()
+    finally:
+        pymem.disable()
+        step = None
+        gc.collect()
+    s = pymem.memory_stats()
+    assert s["num_offloads"] > 0 and s["num_prefetches"] > 0, s
+    assert s["offload_copy_timed_bytes"] == s["offload_copied_bytes"] > 0
+    assert s["offload_copy_seconds"] > 0
+    copied_in = s["swapped_in_bytes"] + s["prefetched_bytes"]
+    if s["num_prefetches_cancelled"] == 0:
+        assert s["swap_in_copy_timed_bytes"] == copied_in > 0
+    else:  # a cancelled prefetch's copy was made too, and is copied again later
+        assert s["swap_in_copy_timed_bytes"] > copied_in > 0
+    assert s["swap_in_copy_seconds"] > 0
+    # Out and on demand run in the calling thread: stalls, inside its time in copies and waits.
+    assert s["offload_copy_seconds"] <= s["swap_stall_seconds"] <= s["swap_seconds"]
+    # While running, only what completed is counted: never more than what was copied.
+    assert live["offload_copy_timed_bytes"] == live["offload_copied_bytes"]
+    assert live["swap_in_copy_timed_bytes"] <= s["swap_in_copy_timed_bytes"]
+
+
+def test_copy_times_are_zero_without_copies():
+    with pymem.budget(64 * MiB, device="cpu", offload="always") as r:  # room for everything
+        assert r.swap is not None
+        _ = (torch.ones(100) + 1).sum()
+    s = pymem.memory_stats()
+    for k in ("offload_copy_seconds", "offload_copy_timed_bytes", "swap_in_copy_seconds",
+              "swap_in_copy_timed_bytes", "swap_stall_seconds"):
+        assert s[k] == 0, k
+    with pymem.budget(MiB, device="cpu"):  # offload="never": the same keys
+        pass
+    s = pymem.memory_stats()
+    assert s["offload_copy_seconds"] == s["swap_in_copy_timed_bytes"] == s["swap_stall_seconds"] == 0
+
+
+class _FakeEvent:
+    """A CUDA timing event stand-in: completes when the test says; elapsed_time only then."""
+
+    def __init__(self, at_ms):
+        self.at_ms, self.complete, self.waited = at_ms, False, False
+
+    def query(self):
+        return self.complete
+
+    def synchronize(self):
+        self.waited = self.complete = True
+
+    def elapsed_time(self, end):
+        assert end.complete, "elapsed_time before the end event completed"  # (so did its start)
+        return end.at_ms - self.at_ms
+
+
+def test_cuda_copy_times_are_read_only_once_complete_and_in_stream_order():
+    """_CudaCopier's booking without a GPU: a copy's events are asked (query, never a wait) only
+    from each stream's oldest pending copy on; close() waits for the rest."""
+    from pymem.runtime.swap import _IN, _OUT, _PREFETCH, _WAIT, _CudaCopier
+
+    c = _CudaCopier(torch.device("cpu"), None)
+    side = [(_FakeEvent(0.0), _FakeEvent(2.0)), (_FakeEvent(2.0), _FakeEvent(5.0))]
+    compute = [(_FakeEvent(1.0), _FakeEvent(1.5)), (_FakeEvent(3.0), _FakeEvent(3.25))]
+    c._track("side", side[0], MiB, _PREFETCH)
+    c._track("side", side[1], 2 * MiB, _PREFETCH)
+    c._track("compute", compute[0], MiB, _IN)
+    c._track("compute", compute[1], 0, _WAIT)
+    c._book(_OUT, 4 * MiB, 0.004)  # an out copy: waited for by the copy itself
+    side[1][0].complete = side[1][1].complete = True  # not the oldest: not booked before it
+    compute[0][0].complete = compute[0][1].complete = True
+    t = c.time_stats()
+    assert t["swap_in_copy_timed_bytes"] == MiB and t["swap_in_copy_seconds"] == pytest.approx(0.0005)
+    assert t["offload_copy_timed_bytes"] == 4 * MiB and t["offload_copy_seconds"] == pytest.approx(0.004)
+    assert t["swap_stall_seconds"] == pytest.approx(0.0045)
+    side[0][0].complete = side[0][1].complete = True
+    t = c.time_stats()
+    assert t["swap_in_copy_timed_bytes"] == 4 * MiB and t["swap_in_copy_seconds"] == pytest.approx(0.0055)
+    assert not any(e.waited for pair in side + compute for e in pair)
+    c.close()  # the wait left: the compute stream's last interval
+    assert compute[1][1].waited
+    t = c.time_stats()
+    assert t["swap_stall_seconds"] == pytest.approx(0.00475)
+    assert not any(c.pending.values())
+
+
+def test_cuda_copier_puts_timing_events_around_each_copy(monkeypatch):
+    """_CudaCopier on a stand-in torch.cuda (events, streams; the copies themselves run on CPU
+    tensors): each copy between a start and an end event on its stream; the out copy waits at its
+    end event (the wait it always made) and is booked then; copies back and a late use's wait are
+    booked once their end event completes, asked with a query only."""
+    from pymem.runtime.swap import _CudaCopier
+
+    log = []
+
+    class Stream:
+        def __init__(self, n):
+            self.cuda_stream = n
+
+        def wait_stream(self, other):
+            log.append(("wait_stream", self.cuda_stream, other.cuda_stream))
+
+        def wait_event(self, ev):
+            log.append(("wait_event", self.cuda_stream, ev.name))
+
+        def synchronize(self):
+            log.append(("stream sync", self.cuda_stream))
+
+    class Event:
+        made = 0
+
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            Event.made += 1
+            self.name, self.at, self.complete = f"e{Event.made}", None, False
+
+        def record(self, stream):
+            self.at = 2.0 * Event.made + len(log)  # later records, later times
+            log.append(("record", self.name, stream.cuda_stream))
+
+        def query(self):
+            log.append(("query", self.name))
+            return self.complete
+
+        def synchronize(self):
+            log.append(("event sync", self.name))
+            self.complete = True
+
+        def elapsed_time(self, end):
+            assert end.complete
+            return end.at - self.at
+
+    compute = Stream(1)
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream(2))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+
+    class Host:
+        def used_by_copy(self, buf, stream):
+            log.append(("used_by_copy", stream.cuda_stream))
+
+    c = _CudaCopier(torch.device("cpu"), Host())
+    src = torch.arange(64, dtype=torch.uint8)
+    host = torch.empty(64, dtype=torch.uint8)
+    c.copy(host, src, out=True)
+    assert torch.equal(host, src)
+    assert log == [("record", "e1", 1), ("record", "e2", 1), ("event sync", "e2")]
+    assert c.time_stats()["offload_copy_timed_bytes"] == 64 and c.time_stats()["offload_copy_seconds"] > 0
+    del log[:]
+    back = torch.empty(64, dtype=torch.uint8)
+    c.copy(back, host)  # on demand, on the compute stream
+    handle = c.start(torch.empty(64, dtype=torch.uint8), host)  # prefetch, on the side stream
+    c.wait(handle, timed=True)  # a use that came before the prefetch was done
+    assert [e for e in log if e[0] in ("record", "wait_stream", "wait_event", "used_by_copy")] == [
+        ("record", "e3", 1), ("record", "e4", 1), ("used_by_copy", 1),
+        ("wait_stream", 2, 1), ("record", "e5", 2), ("record", "e6", 2), ("used_by_copy", 2),
+        ("record", "e7", 1), ("wait_event", 1, "e6"), ("record", "e8", 1)]
+    assert not any(e[0].endswith("sync") for e in log)  # nothing waited for
+    assert c.time_stats()["swap_in_copy_timed_bytes"] == 0  # none complete yet
+    handle.complete = True  # the prefetch completed; the compute stream's copy not yet
+    t = c.time_stats()
+    assert t["swap_in_copy_timed_bytes"] == 64 and t["swap_stall_seconds"] == t["offload_copy_seconds"]
+    c.close()
+    assert ("stream sync", 2) in log
+    t = c.time_stats()
+    assert t["swap_in_copy_timed_bytes"] == 128 and t["swap_stall_seconds"] > t["offload_copy_seconds"]
+    assert not any(c.pending.values())

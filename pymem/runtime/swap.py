@@ -23,9 +23,11 @@ copy runs beside compute: a worker thread on the CPU device, a side stream on CU
 as evicted until it is adopted: when its copy is done (checked after each op) or when an op needs it
 (then the op waits for the copy). Under pressure, a copy in flight is the last thing given up.
 """
+import collections
 import concurrent.futures
 import heapq
 import itertools
+import threading
 import time
 import weakref
 from typing import Dict, List, Optional, Tuple
@@ -83,74 +85,214 @@ class HostMemory:
         return s
 
 
-class _CpuCopier:
-    """Copies on the CPU device: in the calling thread, or on one worker thread (prefetch)."""
+# What a timed interval was (_CopyTimes): a copy out, a copy back on demand (on the compute stream,
+# or in the calling thread), a prefetch (side stream, worker thread), a use's wait for a prefetch.
+_OUT, _IN, _PREFETCH, _WAIT = range(4)
+
+
+class _CopyTimes:
+    """The copies' own time, by direction (out: to host memory; in: back, on demand or prefetched),
+    so that bytes / seconds is the rate the copies achieved; and the stall, the part of it compute
+    waited for: the copies on the compute stream (or in the calling thread), and the waits of uses
+    for prefetches not done yet. ``swap_seconds`` is the calling thread's time in copy calls and
+    waits. An interval whose time is not known yet waits in a queue per stream (intervals on one
+    stream complete in order, so only each queue's head is ever asked); its time is taken once it is
+    found complete, never waited for (only ``close`` waits). Booking happens under the runtime's
+    lock, except from ``memory_stats`` (any thread): one thread books at a time, the others skip."""
 
     def __init__(self) -> None:
+        self.seconds = {_OUT: 0.0, _IN: 0.0, _PREFETCH: 0.0, _WAIT: 0.0}
+        self.nbytes = {_OUT: 0, _IN: 0, _PREFETCH: 0, _WAIT: 0}
+        self.pending: Dict[object, collections.deque] = {}  # queue -> deque of (handle, nbytes, kind)
+        self._booking = threading.Lock()
+
+    def _book(self, kind: int, nbytes: int, seconds: float) -> None:
+        with self._booking:
+            self.seconds[kind] += seconds
+            self.nbytes[kind] += nbytes
+
+    def _track(self, queue, handle, nbytes: int, kind: int) -> None:
+        q = self.pending.get(queue)
+        if q is None:
+            q = self.pending[queue] = collections.deque()
+        q.append((handle, nbytes, kind))
+        self.harvest()  # bounded even when nothing else asks (prefetch off)
+
+    def harvest(self, wait: bool = False) -> None:
+        """Book the intervals found complete (each queue from its head, stopping at the first still
+        running); ``wait``: every one, waiting for those still running."""
+        if not self._booking.acquire(blocking=wait):
+            return  # another thread is booking
+        try:
+            for q in list(self.pending.values()):
+                while q:
+                    handle, nbytes, kind = q[0]
+                    seconds = self._seconds(handle, wait)
+                    if seconds is None:
+                        break
+                    q.popleft()
+                    self.seconds[kind] += seconds
+                    self.nbytes[kind] += nbytes
+        finally:
+            self._booking.release()
+
+    def _seconds(self, handle, wait: bool) -> Optional[float]:
+        """The interval's seconds, or None while it runs (``wait``: never None)."""
+        raise NotImplementedError
+
+    def time_stats(self) -> dict:
+        self.harvest()
+        with self._booking:
+            t, n = dict(self.seconds), dict(self.nbytes)
+        return {"offload_copy_seconds": t[_OUT], "offload_copy_timed_bytes": n[_OUT],
+                "swap_in_copy_seconds": t[_IN] + t[_PREFETCH], "swap_in_copy_timed_bytes": n[_IN] + n[_PREFETCH],
+                "swap_stall_seconds": t[_OUT] + t[_IN] + t[_WAIT]}
+
+
+def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
+    t0 = _perf()
+    dst.copy_(src)
+    return _perf() - t0
+
+
+def _timed_copy_of(pair: list) -> float:
+    """The worker's copy: it takes the tensors out of ``pair``, so that none of its references
+    outlives the copy (the work item keeps its arguments until the worker moves on, after the
+    result is out: a buffer given up then must be free at once)."""
+    dst, src = pair
+    pair.clear()
+    return _timed_copy(dst, src)
+
+
+class _CpuCopier(_CopyTimes):
+    """Copies on the CPU device: in the calling thread, or on one worker thread (prefetch). Each
+    copy is timed where it runs (perf_counter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
         self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, out: bool = False) -> None:
+        self._book(_OUT if out else _IN, dst.nbytes, _timed_copy(dst, src))
 
     def start(self, dst: torch.Tensor, src: torch.Tensor):
         """Begin ``dst.copy_(src)`` beside compute; returns a handle for ``wait``/``done``. The
         worker has no dispatch mode of its own (modes are per thread): the copy is not an op."""
         if self.pool is None:
             self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pymem-prefetch")
-        return self.pool.submit(dst.copy_, src)
+        handle = self.pool.submit(_timed_copy_of, [dst, src])
+        self._track(None, handle, dst.nbytes, _PREFETCH)  # one worker: its copies complete in order
+        return handle
 
     @staticmethod
     def done(handle) -> bool:
         return handle.done()
 
+    def wait(self, handle, timed: bool = False) -> None:
+        """``timed``: a use waits (its wait is stall time)."""
+        if not timed:
+            handle.result()
+            return
+        t0 = _perf()
+        try:
+            handle.result()
+        finally:
+            self._book(_WAIT, 0, _perf() - t0)
+
     @staticmethod
-    def wait(handle) -> None:
-        handle.result()
+    def _seconds(handle, wait: bool) -> Optional[float]:
+        if not (wait or handle.done()):
+            return None
+        try:
+            return handle.result()
+        except Exception:  # raised where the copy is waited for (copy_in): no time to book
+            return 0.0
 
     def close(self) -> None:
         if self.pool is not None:
             self.pool.shutdown(wait=True)
             self.pool = None
+        self.harvest(wait=True)
 
 
-class _CudaCopier:
+class _CudaCopier(_CopyTimes):
     """Copies on CUDA. Out: synchronous (the device buffer is freed right after, and the arena's
-    library cannot see a side stream's use of it). In, on demand: on the compute stream (ordered
-    before every reader). Prefetch: on a side stream after the compute stream's work so far; the
-    compute stream waits for it when the value is adopted."""
+    library cannot see a side stream's use of it): enqueued on the compute stream, then waited for
+    at its end event. In, on demand: on the compute stream (ordered before every reader). Prefetch:
+    on a side stream after the compute stream's work so far; the compute stream waits for it when
+    the value is adopted. Each copy sits between two timing events on its stream (start, done):
+    ``start.elapsed_time(done)`` is the copy engine's time for it (``start`` completes when the work
+    before it on the stream has, so that is not counted); a use's wait for a prefetch still running
+    sits between two on the compute stream (how long compute stood still). An elapsed time is read
+    once its end event is known to have completed (a query, or the out copy's own wait): timing
+    adds no synchronization."""
 
     def __init__(self, device: torch.device, host: HostMemory) -> None:
+        super().__init__()
         self.device = device
         self.host = host
         self.side = None
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src, non_blocking=dst.is_cuda)
-        if dst.is_cuda:  # in: the host block is read after we move on (out is synchronous)
-            self.host.used_by_copy(src, torch.cuda.current_stream(self.device))
+    @staticmethod
+    def _event():
+        return torch.cuda.Event(enable_timing=True)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, out: bool = False) -> None:
+        stream = torch.cuda.current_stream(self.device)
+        start, done = self._event(), self._event()
+        start.record(stream)
+        dst.copy_(src, non_blocking=True)
+        done.record(stream)
+        if out:  # the wait a blocking copy makes, at the copy's own end: the host copy is complete
+            done.synchronize()
+            self._book(_OUT, dst.nbytes, start.elapsed_time(done) / 1e3)
+        else:  # in: the host block is read after we move on
+            self.host.used_by_copy(src, stream)
+            self._track(stream.cuda_stream, (start, done), dst.nbytes, _IN)
 
     def start(self, dst: torch.Tensor, src: torch.Tensor):
         if self.side is None:
             self.side = torch.cuda.Stream(self.device)
         compute = torch.cuda.current_stream(self.device)  # taken outside the side stream's context
         self.side.wait_stream(compute)  # dst was allocated (and possibly last used) on compute
-        done = torch.cuda.Event()
+        start, done = self._event(), self._event()
         with torch.cuda.stream(self.side):
+            start.record(self.side)
             dst.copy_(src, non_blocking=True)
             done.record(self.side)
         self.host.used_by_copy(src, self.side)
+        self._track(self.side.cuda_stream, (start, done), dst.nbytes, _PREFETCH)
         return done
 
     @staticmethod
     def done(handle) -> bool:
         return handle.query()
 
-    def wait(self, handle) -> None:
-        torch.cuda.current_stream(self.device).wait_event(handle)
+    def wait(self, handle, timed: bool = False) -> None:
+        """The compute stream waits for the copy; ``timed``: a use waits (between two events)."""
+        compute = torch.cuda.current_stream(self.device)
+        if not timed:
+            compute.wait_event(handle)
+            return
+        start, end = self._event(), self._event()
+        start.record(compute)
+        compute.wait_event(handle)
+        end.record(compute)
+        self._track(compute.cuda_stream, (start, end), 0, _WAIT)
+
+    @staticmethod
+    def _seconds(handle, wait: bool) -> Optional[float]:
+        start, done = handle
+        if wait:
+            done.synchronize()
+        elif not done.query():
+            return None
+        return start.elapsed_time(done) / 1e3  # milliseconds
 
     def close(self) -> None:
         if self.side is not None:
             self.side.synchronize()
+        self.harvest(wait=True)  # what is left was enqueued before now
 
 
 class Swapper:
@@ -199,7 +341,7 @@ class Swapper:
                 host = self.host.empty(r.nbytes)
                 if host is None:  # counted by the pool (num_host_refused)
                     return False
-                self.copier.copy(host, sref.view(torch.uint8, [r.nbytes], [1], 0))
+                self.copier.copy(host, sref.view(torch.uint8, [r.nbytes], [1], 0), out=True)
             r.host = host
             self.copied_out_bytes += r.nbytes
             self.seconds += _perf() - t0
@@ -249,9 +391,10 @@ class Swapper:
         t0 = _perf()
         if flight is not None:
             buf, handle = flight
-            if for_use and not self.copier.done(handle):
+            late = for_use and not self.copier.done(handle)
+            if late:
                 self._late(r)
-            self.copier.wait(handle)
+            self.copier.wait(handle, timed=late)
             self.num_prefetches += 1
             self.prefetched_bytes += r.nbytes
         else:
@@ -279,6 +422,9 @@ class Swapper:
     def after_op(self) -> None:
         """Adopt finished prefetches; start new ones while they fit. Called after each op that
         left offloaded values or copies in flight."""
+        copier = self.copier
+        if copier.pending:
+            copier.harvest()  # only asks whether the oldest copy of each stream is done
         if self.in_flight:
             done = self.copier.done
             for r in [r for r, (_, h) in self.in_flight.items() if done(h)]:
@@ -359,6 +505,7 @@ class Swapper:
             "num_leaf_offloads": self.num_leaf_offloads,
             "num_late_uses": self.num_late_uses,
             "swap_seconds": self.seconds,
+            **self.copier.time_stats(),
             **self.host.stats(),
         }
 
@@ -371,6 +518,8 @@ NO_SWAP_STATS = {k: 0 for k in ("num_offloads", "offloaded_bytes", "offload_copi
                                 "num_late_uses")}
 NO_SWAP_STATS["host_budget"] = 0
 NO_SWAP_STATS["swap_seconds"] = 0.0
+NO_SWAP_STATS.update(offload_copy_seconds=0.0, offload_copy_timed_bytes=0, swap_in_copy_seconds=0.0,
+                     swap_in_copy_timed_bytes=0, swap_stall_seconds=0.0)
 
 
 def _blank(nbytes: int, device) -> torch.Tensor:

@@ -79,8 +79,11 @@ class _Booking(TorchDispatchMode):
     # --- ops ---
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is _SCALAR and args[0].is_meta:  # .item() on meta: there is no value; 0 lets a script's logging go on
-            return 0.0 if args[0].dtype.is_floating_point else (False if args[0].dtype == torch.bool else 0)
+        if func is _SCALAR and args[0].is_meta:
+            # .item() on meta: there is no value. 1 lets logging go on, and what divides by a count
+            # or by an optimizer's bias correction 1 - beta ** step (Adam's, where its step counter
+            # is read as a number: a ZeroDivisionError at 0); a flag reads False.
+            return 1.0 if args[0].dtype.is_floating_point else (False if args[0].dtype == torch.bool else 1)
         if not self.booking:
             return func(*args, **kwargs)
         flat_in = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
@@ -187,13 +190,37 @@ class _Traced(Exception):
     """Raised out of the script's optimizer step once its traced step is complete."""
 
 
+def _gpu_attention(sdpa: Callable) -> Callable:
+    """``F.scaled_dot_product_attention`` on meta tensors as a GPU runs it: one fused kernel (flash
+    for fp16/bf16 without a mask; memory-efficient attention otherwise, fp32 included), not the math
+    path (a seq x seq score matrix, softmax, matmuls) that the meta device takes. Calls it does not
+    cover (GQA, boolean masks, not 4-d, not meta) go to ``sdpa`` unchanged."""
+    aten = torch.ops.aten
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if (not query.is_meta or enable_gqa or query.dim() != 4 or query.is_nested
+                or (attn_mask is not None and (is_causal or attn_mask.dtype != query.dtype))):
+            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        if query.dtype in _HALF and attn_mask is None:
+            return aten._scaled_dot_product_flash_attention(query, key, value, dropout_p, is_causal, scale=scale)[0]
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+        return aten._scaled_dot_product_efficient_attention(query, key, value, attn_mask, grad, dropout_p, is_causal,
+                                                            scale=scale)[0]
+
+    return attention
+
+
 def capture_script(path: str, argv: Optional[List[str]] = None, meta: Optional[Dict] = None) -> Trace:
     """The Trace of a training script's second step (between the ends of its first and second
     optimizer steps), run with the meta device as the default device. The script must make its
-    tensors on the default device (no ``.cuda()``); ``.item()`` reads 0, so data-dependent control
-    flow follows one branch. The script stops once the step is traced."""
+    tensors on the default device (no ``.cuda()``); ``.item()`` reads 1 (a flag False), so data-dependent control
+    flow follows one branch. Attention (``F.scaled_dot_product_attention``) runs the fused kernel a
+    GPU would pick. The script stops once the step is traced."""
     import runpy
     import sys
+
+    import torch.nn.functional as F
 
     booking = _Booking()
     booking.booking = False
@@ -209,9 +236,10 @@ def capture_script(path: str, argv: Optional[List[str]] = None, meta: Optional[D
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     handle = register_optimizer_step_post_hook(after_step)
-    old_argv, old_device = sys.argv, torch.get_default_device()
+    old_argv, old_device, old_sdpa = sys.argv, torch.get_default_device(), F.scaled_dot_product_attention
     sys.argv = [path, *(argv or [])]
     torch.set_default_device("meta")
+    F.scaled_dot_product_attention = _gpu_attention(old_sdpa)
     try:
         with booking:
             runpy.run_path(path, run_name="__main__")
@@ -219,6 +247,7 @@ def capture_script(path: str, argv: Optional[List[str]] = None, meta: Optional[D
         pass
     finally:
         handle.remove()
+        F.scaled_dot_product_attention = old_sdpa
         torch.set_default_device(old_device)
         sys.argv = old_argv
     if steps[0] < 2:
