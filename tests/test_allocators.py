@@ -175,6 +175,9 @@ class FakeCuda:
     def memory_reserved(self, index):
         return self.stats["reserved_bytes.all.current"]
 
+    def empty_cache(self):
+        self.stats["reserved_bytes.all.current"] = self.stats["allocated_bytes.all.current"]
+
 
 def test_cuda_native_cap_is_a_memory_fraction_and_prices_refusals():
     cuda = FakeCuda(total=80 << 30)
@@ -197,6 +200,21 @@ def test_cuda_native_cap_is_a_memory_fraction_and_prices_refusals():
     assert cap.deficit(torch.OutOfMemoryError("out of memory"), 0) == 1  # no size in the message
     cap.uninstall()
     assert cuda.fraction == 1.0
+
+
+def test_cuda_native_cap_empties_the_cache_first_and_refuses_what_is_held_before_it():
+    cuda = FakeCuda(total=80 << 30)
+    cuda.stats.update({"allocated_bytes.all.current": 10 << 30, "reserved_bytes.all.current": 30 << 30})
+    cap = CudaCap(20 << 30, torch.device("cuda:1"), cuda=cuda)
+    cap.install()  # the cache's 20 GiB of freed blocks go back first
+    assert cuda.memory_reserved(1) == 10 << 30 and cuda.fraction == 0.25
+    cap.uninstall()
+    cuda.stats.update({"allocated_bytes.all.current": 25 << 30, "reserved_bytes.all.current": 25 << 30})
+    with pytest.raises(ValueError, match=r"tensors made before enable\(\) hold 26843545600 B there, more than the "
+                                         r"budget 21474836480 B; raise the budget, free them first, or use "
+                                         r"allocator='arena'"):
+        CudaCap(20 << 30, torch.device("cuda:1"), cuda=cuda).install()
+    assert cuda.fraction == 1.0  # nothing capped
 
 
 def test_cuda_native_cap_refuses_a_budget_over_the_device():

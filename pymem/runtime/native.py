@@ -12,6 +12,7 @@ Each cap answers ``deficit(error, round)``: the bytes to release before retrying
 The CUDA calls go through the ``cuda`` namespace given (``torch.cuda`` by default) so the logic is
 tested on machines without a GPU.
 """
+import gc
 import re
 from typing import Optional
 
@@ -76,6 +77,17 @@ class CudaCap:
         if self.budget > total:
             raise ValueError(f"budget {self.budget} B is more than cuda:{self.index}'s memory ({total} B); "
                              f"allocator='native' caps the caching allocator at a fraction of it")
+        # The cap counts every byte the caching allocator holds, from before enable() too. Garbage
+        # of an earlier run (a model in a reference cycle) held a budget's worth on an H100.
+        if self.cuda.memory_reserved(self.index) > self.budget:
+            gc.collect()
+            self.cuda.empty_cache()
+        held = self.cuda.memory_reserved(self.index)
+        if held > self.budget:
+            raise ValueError(f"allocator='native' caps what PyTorch's caching allocator holds on cuda:{self.index}, "
+                             f"and tensors made before enable() hold {held} B there, more than the budget "
+                             f"{self.budget} B; raise the budget, free them first, or use allocator='arena' "
+                             f"(which counts only what is allocated after enable)")
         self.cuda.set_per_process_memory_fraction(self.budget / total, self.index)
         self.cuda.reset_peak_memory_stats(self.index)
         self._base_ooms = self.cuda.memory_stats(self.index).get("num_ooms", 0)
