@@ -59,17 +59,6 @@ SMOKE_SIZES = {"gpt_vocab": 128, "gpt_d": 32, "gpt_heads": 2, "gpt_layers": 2, "
 
 
 # ------------------------------------------------------------------------------------ the workers
-def _deterministic(torch):
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    # float32 attention would run the memory-efficient kernel, whose backward adds with atomics (two
-    # unmanaged runs differ); the math kernel is deterministic
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_cudnn_sdp(False)
-
-
 def _sync(torch, device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -191,7 +180,8 @@ def worker_pcie(cfg):
 
 def worker_unmanaged(cfg):
     import torch
-    _deterministic(torch)
+    from pymem.testing import deterministic_cuda
+    deterministic_cuda()
     device, out = cfg["device"], {}
     arena = None
     if device == "cpu":  # the peak as the CPU runtime counts it: every tensor served from an arena
@@ -229,7 +219,8 @@ def worker_managed(cfg):
     import pymem  # before torch touches CUDA: the arena becomes PyTorch's CUDA allocator
     rt = pymem.enable(cfg["budget"], device=cfg["device"], offload=cfg["offload"])
     import torch
-    _deterministic(torch)
+    from pymem.testing import deterministic_cuda
+    deterministic_cuda()
     out = {"allocator": rt.allocator, "link_bandwidth_gbs": (rt.swap.bandwidth / GB if rt.swap is not None else None)}
     step = None
     try:

@@ -117,20 +117,6 @@ def _demo_report(ratio, peak, unmanaged, managed, st) -> int:
     return 0 if ok else 1
 
 
-def _deterministic_cuda():
-    """Bitwise-reproducible CUDA kernels, in the reference process and the managed one alike."""
-    import torch
-
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    # float32 attention runs the memory-efficient kernel, whose backward adds with atomics: two
-    # unmanaged runs differ. The math kernel is deterministic.
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_cudnn_sdp(False)
-
-
 def _demo_cuda(args, batch: int, seq: int) -> int:
     """On CUDA pymem's arena must replace PyTorch's allocator before CUDA starts, so the unmanaged
     reference (its peak, losses and parameters) runs in a child process first."""
@@ -144,12 +130,13 @@ def _demo_cuda(args, batch: int, seq: int) -> int:
 
     import pymem
     from pymem.demo_models import gpt_trainer
+    from pymem.testing import deterministic_cuda
 
     if not torch.cuda.is_available():
         print("pymem demo: --device cuda, but CUDA is not available here", file=sys.stderr)
         return 2
     steps = args.steps
-    _deterministic_cuda()
+    deterministic_cuda()
     if args.reference_out:  # the child: unmanaged, PyTorch's caching allocator
         torch.cuda.reset_peak_memory_stats()
         step = gpt_trainer(batch=batch, seq=seq, device="cuda")

@@ -25,3 +25,17 @@ def all_bitwise_equal(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> b
     """Pairwise bitwise_equal over two sequences of the same length."""
     a, b = list(a), list(b)
     return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
+
+
+def deterministic_cuda() -> None:
+    """CUDA kernels that give the same bits run after run, as a bitwise comparison of a managed run
+    with an unmanaged one needs: deterministic algorithms (warnings only), no TF32, and the math
+    attention kernel (float32 attention would run the memory-efficient one, whose backward adds with
+    atomics: two unmanaged runs differ). cuBLAS also needs ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (or
+    ``:16:8``) in the environment before CUDA starts."""
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)

@@ -3,11 +3,11 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 if len(sys.argv) > 1 and sys.argv[1] == "child":
     budget, offload, prof = sys.argv[2], sys.argv[3], sys.argv[4] == "1"
     import torch, pymem
-    from pymem.cli import _deterministic_cuda
+    from pymem.testing import deterministic_cuda
     from pymem.demo_models import gpt_trainer
     if budget != "none":
         pymem.enable(int(budget), device="cuda", offload=offload)
-    _deterministic_cuda()
+    deterministic_cuda()
     step = gpt_trainer(batch=64, seq=256, device="cuda")
     times = []
     for i in range(8):
