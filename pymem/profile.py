@@ -366,7 +366,10 @@ def run(args) -> int:
           f" of the unmanaged peak, policy {args.policy}, "
           + (f"simulated on {args.gpu}" if device == "meta" else f"device {device}"), file=sys.stderr)
     interrupted = False
-    for sig in (signal.SIGTERM, signal.SIGHUP):  # ended from outside: as Ctrl-C, no run left behind
+    # Ended from outside: as Ctrl-C, no run left behind. SIGINT too, explicitly: a shell starts a
+    # background job with SIGINT ignored, and Python then installs no handler of its own (a terminal
+    # sends Ctrl-C only to its foreground job, so this answers only a deliberate kill -INT).
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
         profiler.run_unmanaged()

@@ -174,7 +174,10 @@ def test_ctrl_c_keeps_the_points_so_far_and_leaves_nothing_running(mlp):
     env = dict(os.environ, PIDS=str(pids), PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.Popen([sys.executable, "-m", "pymem", "profile", "--steps", "2", "--budgets", "1.0,0.9,0.85",
                              "--json", "out.json", "--", "mlp.py"], cwd=mlp, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            # started as a shell starts a background job (a CI runner's, say):
+                            # SIGINT ignored, so Python installs no Ctrl-C handler of its own
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     # Each run writes its pid once its script starts: the third is the run at 0.9, in flight when
     # the signal comes (the unmanaged run and the one at 1.0 are measured by then).
     deadline = time.monotonic() + 120
