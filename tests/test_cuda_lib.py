@@ -725,3 +725,28 @@ print("OK", lib.stats(0))
 """)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "OK" in r.stdout
+
+
+def test_a_cuda_arena_moves_an_overlapping_block_in_pieces_on_the_move_stream():
+    """Compaction on a CUDA slab: cudaMemcpyAsync leaves overlapping ranges undefined, so a block
+    sliding by less than its size goes in pieces of that distance, in memmove order (the fake table
+    refuses any overlapping copy), all on the stream named by set_move_stream, bytes intact."""
+    from fake_cuda import fresh_table
+
+    lib, fake = fresh_table()
+    from pymem import _C
+
+    arena = _C.Arena(1 << 20, backing="cuda", cuda_table=lib.runtime_table(), small_threshold=0)
+    x = arena.allocate(64 << 10)
+    hole = arena.allocate(4096)
+    z = arena.allocate(256 << 10)
+    rest = arena.allocate(arena.base + (1 << 20) - (z + (256 << 10)))  # up to the top: z cannot move
+    data = bytes(range(256)) * 256
+    ctypes.memmove(x, data, len(data))
+    arena.free(hole)
+    arena.set_move_stream(0x5EED)
+    assert arena.compact([x, z]) == [(x, x + 4096)]
+    assert [(d, s, n, st) for d, s, n, st in fake.copies] == \
+        [(x + 4096 + k * 4096, x + k * 4096, 4096, 0x5EED) for k in reversed(range(16))]
+    assert ctypes.string_at(x + 4096, len(data)) == data
+    arena.free(x + 4096), arena.free(z), arena.free(rest)
