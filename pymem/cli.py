@@ -78,9 +78,8 @@ def cmd_demo(args) -> int:
     pymem.install_cpu_hook(probe)
     try:
         step = gpt_trainer(batch=batch, seq=seq)
-        t0 = time.perf_counter()
-        ref = [step() for _ in range(steps)]
-        plain_s = time.perf_counter() - t0
+        ref, times = _timed_steps(step, steps, time)
+        plain_s = sum(times)
         ref_params = [p.detach().clone() for p in step.model.parameters()]
         del step
     finally:
@@ -90,9 +89,8 @@ def cmd_demo(args) -> int:
 
     with pymem.budget(budget, device="cpu"):  # on a GPU machine too: the demo's tensors are the CPU's
         step = gpt_trainer(batch=batch, seq=seq)
-        t0 = time.perf_counter()
-        got = [step() for _ in range(steps)]
-        managed_s = time.perf_counter() - t0
+        got, times = _timed_steps(step, steps, time)
+        managed_s = sum(times)
         params = [p.detach().clone() for p in step.model.parameters()]
         del step
         st = pymem.memory_stats()

@@ -259,6 +259,29 @@ def test_trace_cli_captures_a_script_and_sim_replays_it(tmp_path, capsys):
     assert "give one of --budget" in capsys.readouterr().err
 
 
+def test_capture_books_attention_as_the_fused_kernel_a_gpu_runs(tmp_path):
+    """On meta, scaled_dot_product_attention would take the math path (a seq x seq score matrix);
+    a GPU runs one fused kernel: memory-efficient attention for fp32. The function is restored."""
+    import torch.nn.functional as F
+    from pymem.sim.capture import capture_script
+    before = F.scaled_dot_product_attention
+    script = tmp_path / "attn.py"
+    script.write_text(
+        "import torch\n"
+        "w = torch.nn.Parameter(torch.randn(64, 192))\n"
+        "opt = torch.optim.SGD([w], lr=0.1)\n"
+        "x = torch.randn(2, 128, 64)\n"
+        "for i in range(3):\n"
+        "    q, k, v = (x @ w).view(2, 128, 3, 4, 16).permute(2, 0, 3, 1, 4)\n"
+        "    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+        "    a.square().mean().backward()\n"
+        "    opt.step()\n")
+    t = capture_script(str(script))
+    names = " ".join(t.op_names)
+    assert "_scaled_dot_product_efficient_attention" in names and "_softmax" not in names, names
+    assert F.scaled_dot_product_attention is before
+
+
 def test_capture_reads_item_as_one_so_bias_corrections_do_not_divide_by_zero(tmp_path):
     """Seen on a GPU machine's torch: Adam read its step counter with .item() on meta, and a 0 made
     its bias correction 1 - beta1 ** step divide by zero."""

@@ -422,9 +422,6 @@ class Swapper:
     def after_op(self) -> None:
         """Adopt finished prefetches; start new ones while they fit. Called after each op that
         left offloaded values or copies in flight."""
-        copier = self.copier
-        if copier.pending:
-            copier.harvest()  # only asks whether the oldest copy of each stream is done
         if self.in_flight:
             done = self.copier.done
             for r in [r for r, (_, h) in self.in_flight.items() if done(h)]:
