@@ -28,6 +28,8 @@ void bind_runtime_state(py::module_& m);  // runtime_state.cpp
 void bind_runtime_lock(py::module_& m);  // runtime_lock.cpp
 void bind_step_trace(py::module_& m);  // step_trace.cpp
 void bind_host_pool(py::module_& m);  // host_pool_py.cpp
+void bind_neighbourhood(py::module_& m);  // neighbourhood.cpp
+void bind_release_scan(py::module_& m);  // release_scan.cpp
 }
 
 PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
@@ -41,6 +43,8 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
   pymem::bind_runtime_lock(m);
   pymem::bind_step_trace(m);
   pymem::bind_host_pool(m);
+  pymem::bind_neighbourhood(m);
+  pymem::bind_release_scan(m);
   m.def("install_cpu_hook", &pymem::install_cpu_hook, py::arg("arena"),
         "Make `arena` (a 'host' Arena) PyTorch's CPU allocator. Earlier tensors keep their deleters.");
   m.def("uninstall_cpu_hook", &pymem::uninstall_cpu_hook,

@@ -169,20 +169,16 @@ PyGetSetDef g_getset[] = {
 
 // [a.rec for a in refs if a.rec is not None], from either form.
 PyObject* input_records(PyObject* self, PyObject*) {
-  RecipeObject* r = as_recipe(self);
   try {
-    py::list out;
-    if (r->captured != nullptr) {
-      for (const CapturedRef& c : r->captured->refs)
-        if (c.rec) out.append(c.rec);
-    } else if (r->refs != nullptr && r->refs != Py_None) {
-      static PyObject* rec_name = PyUnicode_InternFromString("rec");
-      for (py::handle a : py::reinterpret_borrow<py::object>(r->refs)) {
-        py::object rec = a.attr(rec_name);
-        if (!rec.is_none()) out.append(rec);
-      }
+    std::vector<PyObject*> recs;
+    append_input_records(self, recs);
+    PyObject* out = PyList_New(static_cast<Py_ssize_t>(recs.size()));
+    if (out == nullptr) return nullptr;
+    for (size_t i = 0; i < recs.size(); ++i) {
+      Py_INCREF(recs[i]);
+      PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), recs[i]);
     }
-    return out.release().ptr();
+    return out;
   } catch (py::error_already_set& e) {
     e.restore();
     return nullptr;
@@ -239,6 +235,21 @@ void recipe_dealloc(PyObject* self) {
 }
 
 }  // namespace
+
+void append_input_records(PyObject* recipe, std::vector<PyObject*>& out) {
+  RecipeObject* r = as_recipe(recipe);
+  if (r->captured != nullptr) {
+    for (const CapturedRef& c : r->captured->refs)
+      if (c.rec) out.push_back(c.rec.ptr());
+    return;
+  }
+  if (r->refs == nullptr || r->refs == Py_None) return;
+  static PyObject* rec_name = PyUnicode_InternFromString("rec");
+  for (py::handle a : py::reinterpret_borrow<py::object>(r->refs)) {
+    py::object rec = a.attr(rec_name);
+    if (!rec.is_none()) out.push_back(rec.ptr());  // borrowed: the ArgRef holds it
+  }
+}
 
 Capture capture_arguments(py::object func, const c10::FunctionSchema& schema, c10::ArrayRef<c10::IValue> stack) {
   Capture c;

@@ -76,4 +76,9 @@ pybind11::object new_captured_recipe(PyTypeObject* type, Capture capture, int64_
 
 PyTypeObject* recipe_base_type();
 
+// Appends the records of `recipe`'s recomputable inputs, in order (what `input_records()` lists),
+// from either form, borrowed: the recipe keeps them. `recipe` is a RecipeBase. Throws
+// pybind11::error_already_set if reading a Python-form ArgRef fails.
+void append_input_records(PyObject* recipe, std::vector<PyObject*>& out);
+
 }  // namespace pymem

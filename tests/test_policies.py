@@ -76,22 +76,30 @@ def test_fresh_tensor_scores_stay_finite():
 
 
 def test_neighbourhood_union_find():
+    a, b, c, d, x, y = range(6)
     n = EvictedNeighbourhood()
     # a -> b -> c -> d chain; evict b then c: one class {b, c}
-    n.on_evict("b", 2.0, ["a", "c"])
-    n.on_evict("c", 3.0, ["b", "d"])
-    assert n.neighbour_cost(["b"]) == 5.0            # e*(a): the whole class
-    assert n.neighbour_cost(["b", "c"]) == 5.0       # one class counted once
-    n.on_evict("x", 7.0, ["y"])                       # unrelated class
-    assert n.neighbour_cost(["c", "x"]) == 12.0
-    n.on_rematerialize("b")                           # class not split; b's cost leaves it
-    assert not n.is_evicted("b") and n.is_evicted("c")
-    assert n.neighbour_cost(["c"]) == 3.0
-    assert n.neighbour_cost(["b"]) == 0.0             # resident neighbours cost nothing
-    n.on_evict("b", 2.0, ["c"])                       # evicted again: a fresh node, same class
-    assert n.neighbour_cost(["b"]) == 5.0
-    with pytest.raises(ValueError, match="'b' is already evicted"):
-        n.on_evict("b", 1.0, [])
+    n.on_evict(b, 2.0, [a, c])
+    n.on_evict(c, 3.0, [b, d])
+    assert n.neighbour_cost([b]) == 5.0            # e*(a): the whole class
+    assert n.neighbour_cost([b, c]) == 5.0         # one class counted once
+    n.on_evict(x, 7.0, [y])                         # unrelated class
+    assert n.neighbour_cost([c, x]) == 12.0
+    n.on_rematerialize(b)                           # class not split; b's cost leaves it
+    assert not n.is_evicted(b) and n.is_evicted(c)
+    assert n.neighbour_cost([c]) == 3.0
+    assert n.neighbour_cost([b]) == 0.0             # resident neighbours cost nothing
+    n.on_evict(b, 2.0, [c])                         # evicted again: a fresh node, same class
+    assert n.neighbour_cost([b]) == 5.0
+    assert len(n) == 4                              # b's first node stays, stale
+    with pytest.raises(ValueError, match="1 is already evicted"):
+        n.on_evict(b, 1.0, [])
+    with pytest.raises(ValueError, match="compute cost must be >= 0"):
+        n.on_evict(y, -1.0, [])
+    with pytest.raises(KeyError, match="5 is not evicted"):
+        n.on_rematerialize(y)
+    with pytest.raises(TypeError):
+        n.on_evict("z", 1.0, [])
 
 
 def test_sampling_is_optional_and_bounded():

@@ -1,5 +1,12 @@
-"""The policy interface and its registry."""
-from typing import ClassVar, Dict, List, Optional, Protocol, Type
+"""The policy interface and its registry.
+
+A policy's score is data: the sum of its ``costs`` over the product of its ``per`` terms, each a
+TensorView field (``staleness``: now - last_access). ``evaluate`` computes it here (the simulator,
+and every caller in Python); the runtime's release scan computes the same data in C++
+(csrc/release_scan.h) over every candidate at once. So a policy is a name and two tuples, and the
+two never disagree.
+"""
+from typing import Callable, ClassVar, Dict, List, Optional, Protocol, Tuple, Type
 
 
 class TensorView(Protocol):
@@ -17,15 +24,56 @@ class TensorView(Protocol):
                                 # None: no plan says (see planned.py)
 
 
+# The terms a score may read, in the order they are summed and multiplied (floating-point sums
+# depend on it; csrc/release_scan.cpp uses the same order).
+COST_TERMS = ("compute_cost", "evicted_neighbour_cost", "evicted_ancestor_cost", "last_access")
+PER_TERMS: Dict[str, Callable[[TensorView, float, Optional[float]], float]] = {
+    "nbytes": lambda t, now, d: max(t.nbytes, 1),
+    "staleness": lambda t, now, d: max(now - t.last_access, 1e-12),
+    "next_use": lambda t, now, d: max(d, 1e-12),  # d: t.next_use, read once by the caller
+}
+
+
+def canonical_terms(costs, per) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """``costs`` and ``per`` in the order of COST_TERMS and PER_TERMS; ValueError on an unknown term."""
+    bad = [c for c in costs if c not in COST_TERMS] + [p for p in per if p not in PER_TERMS]
+    if bad:
+        raise ValueError(f"unknown score term(s) {bad}; accepted: costs {list(COST_TERMS)}, per {list(PER_TERMS)}")
+    return (tuple(c for c in COST_TERMS if c in costs), tuple(p for p in PER_TERMS if p in per))
+
+
+def formula_score(costs, per, t: TensorView, now: float, next_use: Optional[float] = None) -> float:
+    """(sum of the ``costs`` fields of t, or 1 with none) / (product of the ``per`` terms, or 1)."""
+    num = 1.0
+    if costs:
+        num = getattr(t, costs[0])
+        for c in costs[1:]:
+            num = num + getattr(t, c)
+    if not per:
+        return num
+    den = PER_TERMS[per[0]](t, now, next_use)
+    for p in per[1:]:
+        den = den * PER_TERMS[p](t, now, next_use)
+    return num / den
+
+
 class Policy:
-    """Base class: ``evaluate(t, now)`` returns a score; the lowest score is released first."""
+    """Base class: ``evaluate(t, now)`` returns a score; the lowest score is released first. A
+    subclass declares its score as data (``costs``, ``per``: see above)."""
 
     name: ClassVar[str] = ""
+    costs: ClassVar[Tuple[str, ...]] = ()
+    per: ClassVar[Tuple[str, ...]] = ()
     # True if the policy reads evicted_neighbour_cost: the caller then keeps an EvictedNeighbourhood.
     uses_neighbourhood: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.costs, cls.per = canonical_terms(cls.costs, cls.per)
+        cls.uses_neighbourhood = "evicted_neighbour_cost" in cls.costs
+
     def evaluate(self, t: TensorView, now: float) -> float:
-        raise NotImplementedError
+        return formula_score(self.costs, self.per, t, now)
 
     def block_cost(self, t: TensorView, now: float) -> float:
         """The cost (>= 0) of releasing t's whole block, for the arena's window search, which sums
@@ -57,8 +105,3 @@ def get_policy(name: str) -> Policy:
         return _REGISTRY[name]()
     except (KeyError, TypeError):
         raise ValueError(f"unknown policy {name!r}; accepted: {', '.join(policy_names())}") from None
-
-
-def staleness(t: TensorView, now: float) -> float:
-    """Time since last use on the logical clock; never 0, so scores stay finite."""
-    return max(now - t.last_access, 1e-12)

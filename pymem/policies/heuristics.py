@@ -1,9 +1,10 @@
 """The heuristics (DTR paper, section 4; Capuchin; Coop). Lowest score is released first.
 
-m = bytes, s = staleness, c = compute cost of the producer, e* = cost of the evicted
-neighbourhood that releasing this tensor would make a future recompute redo.
+Each is its score as data (base.py): the sum of ``costs`` over the product of ``per``, with
+c = compute_cost (the producer's cost), e* = evicted_neighbour_cost (the evicted neighbourhood a
+future recompute would redo), a* = evicted_ancestor_cost, m = nbytes, s = staleness.
 """
-from .base import Policy, TensorView, register, staleness
+from .base import Policy, TensorView, register
 
 
 @register
@@ -11,10 +12,8 @@ class DTR(Policy):
     """h_DTR = (c + e*) / (m * s), with the union-find (h_DTR^eq) estimate of e*."""
 
     name = "dtr"
-    uses_neighbourhood = True
-
-    def evaluate(self, t: TensorView, now: float) -> float:
-        return (t.compute_cost + t.evicted_neighbour_cost) / (max(t.nbytes, 1) * staleness(t, now))
+    costs = ("compute_cost", "evicted_neighbour_cost")
+    per = ("nbytes", "staleness")
 
 
 @register
@@ -27,11 +26,8 @@ class DTRChain(Policy):
     their peaks (26% at the transformer's 30%), and at most 3% more anywhere."""
 
     name = "dtr-chain"
-    uses_neighbourhood = True
-
-    def evaluate(self, t: TensorView, now: float) -> float:
-        return (t.compute_cost + t.evicted_neighbour_cost + t.evicted_ancestor_cost) / \
-            (max(t.nbytes, 1) * staleness(t, now))
+    costs = ("compute_cost", "evicted_neighbour_cost", "evicted_ancestor_cost")
+    per = ("nbytes", "staleness")
 
 
 @register
@@ -39,9 +35,8 @@ class DTRLocal(Policy):
     """h_local = c / (m * s): DTR without the neighbourhood term."""
 
     name = "dtr-local"
-
-    def evaluate(self, t: TensorView, now: float) -> float:
-        return t.compute_cost / (max(t.nbytes, 1) * staleness(t, now))
+    costs = ("compute_cost",)
+    per = ("nbytes", "staleness")
 
 
 @register
@@ -49,9 +44,7 @@ class LRU(Policy):
     """Least recently used first."""
 
     name = "lru"
-
-    def evaluate(self, t: TensorView, now: float) -> float:
-        return t.last_access
+    costs = ("last_access",)
 
     def block_cost(self, t: TensorView, now: float) -> float:
         return max(t.last_access, 0.0)
@@ -59,12 +52,10 @@ class LRU(Policy):
 
 @register
 class Size(Policy):
-    """Largest first."""
+    """Largest first: 1 / m."""
 
     name = "size"
-
-    def evaluate(self, t: TensorView, now: float) -> float:
-        return -float(t.nbytes)
+    per = ("nbytes",)
 
     def block_cost(self, t: TensorView, now: float) -> float:
         return 1.0 / max(t.nbytes, 1)
@@ -76,9 +67,8 @@ class MSPS(Policy):
     (c + cost of evicted ancestors) / m."""
 
     name = "msps"
-
-    def evaluate(self, t: TensorView, now: float) -> float:
-        return (t.compute_cost + t.evicted_ancestor_cost) / max(t.nbytes, 1)
+    costs = ("compute_cost", "evicted_ancestor_cost")
+    per = ("nbytes",)
 
 
 @register
@@ -87,10 +77,8 @@ class Coop(Policy):
     itself. Used as the arena block cost (`Arena.set_cost`)."""
 
     name = "coop"
-    uses_neighbourhood = True
-
-    def evaluate(self, t: TensorView, now: float) -> float:
-        return (t.compute_cost + t.evicted_neighbour_cost) / staleness(t, now)
+    costs = ("compute_cost", "evicted_neighbour_cost")
+    per = ("staleness",)
 
     def block_cost(self, t: TensorView, now: float) -> float:
         return self.evaluate(t, now)

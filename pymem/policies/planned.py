@@ -11,9 +11,10 @@ a*: its evicted ancestors' (a recompute redoes them first; Capuchin's MSPS with 
 stands after every earlier pick), m: bytes, d: seconds to the next use
 (infinite where the step reads it no more: released first, at no cost). Where the plan cannot say
 (the first step, a step that left its plan, a value made before the step), the fallback policy
-scores the value as it would without a plan.
+scores the value as it would without a plan. The runtime's release scan (csrc/release_scan.h)
+evaluates the same: this formula, the fallback's where next_use is None, 0 where it is infinite.
 """
-from .base import Policy, TensorView
+from .base import Policy, TensorView, formula_score
 
 _NEVER = float("inf")
 
@@ -22,29 +23,30 @@ class Planned(Policy):
     """Not registered: the runtime wraps its policy in it when planning (``plan="auto"``)."""
 
     name = "planned"
+    costs = ("compute_cost", "evicted_neighbour_cost", "evicted_ancestor_cost")
+    per = ("nbytes", "next_use")
 
     def __init__(self, fallback: Policy) -> None:
         self.fallback = fallback
-        self.uses_neighbourhood = fallback.uses_neighbourhood
+        self.uses_neighbourhood = fallback.uses_neighbourhood  # e* reads 0 where none is kept
         self.name = fallback.name  # the policy the program chose, planned
 
     def evaluate(self, t: TensorView, now: float) -> float:
         d = t.next_use
         if d is None:
             return self.fallback.evaluate(t, now)
-        return self._score(t, d)
+        return self._score(t, now, d)
 
     def block_cost(self, t: TensorView, now: float) -> float:
         d = t.next_use  # a walk of the lineage (Record.next_use): once per candidate
         if d is None:
             return self.fallback.block_cost(t, now)
-        return max(self._score(t, d), 0.0) * max(t.nbytes, 1)
+        return max(self._score(t, now, d), 0.0) * max(t.nbytes, 1)
 
-    @staticmethod
-    def _score(t: TensorView, d: float) -> float:
+    def _score(self, t: TensorView, now: float, d: float) -> float:
         if d == _NEVER:  # read no more this step: 0 whatever it cost, so its costs are not walked
             return 0.0
-        return (t.compute_cost + t.evicted_neighbour_cost + t.evicted_ancestor_cost) / (max(t.nbytes, 1) * max(d, 1e-12))
+        return formula_score(self.costs, self.per, t, now, d)
 
     def __repr__(self) -> str:
         return f"Planned({self.fallback!r})"

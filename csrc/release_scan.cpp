@@ -1,0 +1,233 @@
+// release_scan.cpp — the lowest-scoring releasable value (see release_scan.h), and its binding.
+#include "release_scan.h"
+
+#include "neighbourhood.h"
+#include "recipe.h"
+#include "record.h"
+#include "step_trace.h"
+#include "storage.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace py = pybind11;
+
+namespace pymem {
+namespace {
+
+constexpr int kAncestorWalk = 64;  // records.py: evicted_ancestor_cost looks at most at this many
+constexpr int kReaderDepth = 8;    // records.py: next_use follows evicted readers this deep
+
+bool is_none(PyObject* o) { return o == nullptr || o == Py_None; }
+
+// Residency.is_available: in the cache, or its value in its own live storage.
+bool is_available(const RecordObject* r, PyObject* cache) {
+  const int in_cache = PyDict_Contains(cache, reinterpret_cast<PyObject*>(const_cast<RecordObject*>(r)));
+  if (in_cache < 0) throw py::error_already_set();
+  if (in_cache) return true;
+  const StorageRef* s = storage_ref_of(r);
+  return s != nullptr && !r->evicted && s->alive();
+}
+
+// The live records among r's children (borrowed: the weakrefs' targets, alive while we hold the GIL
+// and call nothing that could drop them).
+template <class F>
+void each_child(const RecordObject* r, F&& f) {
+  if (r->children == nullptr || !PyList_Check(r->children)) return;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->children); ++i) {
+    PyObject* c = PyWeakref_GetObject(PyList_GET_ITEM(r->children, i));
+    if (c != Py_None) f(reinterpret_cast<RecordObject*>(c));
+  }
+}
+
+class Scorer {
+ public:
+  explicit Scorer(const ScanInputs& in) : in_(in) {}
+
+  double score(RecordObject* r) {
+    const ScoreFormula* f = &in_.formula;
+    double d = 0;
+    if (f->per & ScoreFormula::kNextUse) {
+      d = next_use(r, kReaderDepth);
+      if (d < 0) {
+        f = &in_.fallback;  // the plan cannot place it
+      } else if (d == std::numeric_limits<double>::infinity()) {
+        return 0.0;  // read no more this step: released first, its costs not walked (planned.py)
+      }
+    }
+    return evaluate(*f, r, d);
+  }
+
+ private:
+  double evaluate(const ScoreFormula& f, RecordObject* r, double d) {
+    double num = 1.0;
+    bool any = false;
+    auto add = [&](double x) {
+      num = any ? num + x : x;
+      any = true;
+    };
+    if (f.costs & ScoreFormula::kCompute) add(r->compute_cost);
+    if (f.costs & ScoreFormula::kNeighbours) add(neighbour_cost(r));
+    if (f.costs & ScoreFormula::kAncestors) add(ancestor_cost(r));
+    if (f.costs & ScoreFormula::kLastAccess) add(r->last_access);
+    double den = 1.0;
+    bool some = false;
+    auto mul = [&](double x) {
+      den = some ? den * x : x;
+      some = true;
+    };
+    if (f.per & ScoreFormula::kBytes) mul(static_cast<double>(std::max<int64_t>(r->nbytes, 1)));
+    if (f.per & ScoreFormula::kStaleness) mul(std::max(in_.now - r->last_access, 1e-12));
+    if (f.per & ScoreFormula::kNextUse) mul(std::max(d, 1e-12));
+    return some ? num / den : num;
+  }
+
+  // records.py: Record.evicted_neighbour_cost over Record.neighbour_ids().
+  double neighbour_cost(RecordObject* r) {
+    if (in_.neighbourhood == nullptr) return 0.0;
+    ids_.clear();
+    inputs_.clear();
+    if (!is_none(r->recipe)) append_input_records(r->recipe, inputs_);
+    for (PyObject* p : inputs_) ids_.push_back(reinterpret_cast<RecordObject*>(p)->id);
+    each_child(r, [&](RecordObject* c) { ids_.push_back(c->id); });
+    return in_.neighbourhood->neighbour_cost(ids_.data(), ids_.size());
+  }
+
+  // records.py: Record.evicted_ancestor_cost (the same walk, in the same order).
+  double ancestor_cost(RecordObject* r) {
+    double total = 0.0;
+    stack_.clear();
+    seen_.clear();
+    if (!is_none(r->recipe)) append_input_records(r->recipe, stack_);
+    while (!stack_.empty() && seen_.size() < kAncestorWalk) {
+      RecordObject* a = reinterpret_cast<RecordObject*>(stack_.back());
+      stack_.pop_back();
+      if (std::find(seen_.begin(), seen_.end(), a->id) != seen_.end() || is_available(a, in_.cache)) continue;
+      seen_.push_back(a->id);
+      if (!is_none(a->host)) {  // comes back by a copy; its own ancestors are not needed
+        total += static_cast<double>(a->nbytes) / in_.link_bandwidth;
+        continue;
+      }
+      total += a->compute_cost;
+      if (!is_none(a->recipe)) append_input_records(a->recipe, stack_);
+    }
+    return total;
+  }
+
+  // records.py: _next_use. Negative: the plan cannot say.
+  double next_use(RecordObject* r, int depth) {
+    double d = in_.plan->seconds_to_next_use(r);
+    if (d < 0 || depth == 0) return d;
+    each_child(r, [&](RecordObject* c) {
+      if (!c->evicted || !is_none(c->host)) return;
+      const double dc = next_use(c, depth - 1);
+      if (dc >= 0 && dc < d) d = dc;
+    });
+    return d;
+  }
+
+  const ScanInputs& in_;
+  std::vector<int64_t> ids_, seen_;
+  std::vector<PyObject*> inputs_, stack_;
+};
+
+bool has_recipe(const RecordObject* r) { return !is_none(r->recipe); }
+
+ScoreFormula parse_formula(py::handle costs, py::handle per) {
+  ScoreFormula f;
+  for (py::handle h : py::reinterpret_borrow<py::iterable>(costs)) {
+    const std::string t = py::cast<std::string>(h);
+    if (t == "compute_cost") f.costs |= ScoreFormula::kCompute;
+    else if (t == "evicted_neighbour_cost") f.costs |= ScoreFormula::kNeighbours;
+    else if (t == "evicted_ancestor_cost") f.costs |= ScoreFormula::kAncestors;
+    else if (t == "last_access") f.costs |= ScoreFormula::kLastAccess;
+    else throw std::invalid_argument("unknown cost term '" + t + "'; accepted: compute_cost, evicted_neighbour_cost, "
+                                     "evicted_ancestor_cost, last_access");
+  }
+  for (py::handle h : py::reinterpret_borrow<py::iterable>(per)) {
+    const std::string t = py::cast<std::string>(h);
+    if (t == "nbytes") f.per |= ScoreFormula::kBytes;
+    else if (t == "staleness") f.per |= ScoreFormula::kStaleness;
+    else if (t == "next_use") f.per |= ScoreFormula::kNextUse;
+    else throw std::invalid_argument("unknown per term '" + t + "'; accepted: nbytes, staleness, next_use");
+  }
+  return f;
+}
+
+}  // namespace
+
+py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_ok) {
+  Scorer scorer(in);
+  PyObject* best = nullptr;
+  double best_score = std::numeric_limits<double>::infinity();
+  auto consider = [&](PyObject* o) {
+    const double s = scorer.score(reinterpret_cast<RecordObject*>(o));
+    if (s < best_score) {
+      best = o;
+      best_score = s;
+    }
+  };
+  // The table cannot change under us: leaf_ok (Residency.leaf_releasable) only sets a cost.
+  PyObject *key, *value;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(table.ptr(), &pos, &key, &value)) {
+    RecordObject* r = as_record(value);
+    if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
+    if (r->evicted || r->locks != 0 || !r->in_arena || r->pins != 0 || r->waits != 0) continue;
+    const StorageRef* s = storage_ref_of(r);
+    if (s == nullptr || !s->alive()) continue;
+    if (!has_recipe(r)) {
+      if (leaf_ok.is_none() || !py::cast<bool>(leaf_ok(py::handle(value)))) continue;
+      if (!s->alive()) continue;  // the callback ran Python: a collection may have freed it
+    }
+    consider(value);
+  }
+  pos = 0;
+  while (PyDict_Next(in.cache, &pos, &key, &value)) {
+    RecordObject* r = as_record(key);
+    if (r == nullptr || !has_recipe(r) || r->locks != 0 || r->waits != 0) continue;
+    consider(key);
+  }
+  return best == nullptr ? py::none() : py::reinterpret_borrow<py::object>(best);
+}
+
+void bind_release_scan(py::module_& m) {  // bindings.cpp calls it
+  struct Scan {
+    ScoreFormula formula, fallback;
+  };
+  py::class_<Scan>(m, "ReleaseScan",
+                   "A policy's score as data, evaluated over the runtime's records (csrc/release_scan.h).")
+      .def(py::init([](py::handle costs, py::handle per, py::handle fallback_costs, py::handle fallback_per) {
+             Scan s{parse_formula(costs, per), parse_formula(fallback_costs, fallback_per)};
+             if ((s.fallback.per & ScoreFormula::kNextUse) ||
+                 ((s.formula.per & ScoreFormula::kNextUse) && s.fallback.costs == 0 && s.fallback.per == 0))
+               throw std::invalid_argument("a formula that reads next_use needs a fallback that does not");
+             return s;
+           }),
+           py::arg("costs"), py::arg("per"), py::arg("fallback_costs") = py::tuple(),
+           py::arg("fallback_per") = py::tuple())
+      .def(
+          "lowest",
+          [](const Scan& s, py::dict table, py::dict cache, double now, py::handle plan, py::handle neighbourhood,
+             double link_bandwidth, py::handle leaf_ok) {
+            ScanInputs in;
+            in.now = now;
+            in.formula = s.formula;
+            in.fallback = s.fallback;
+            in.plan = as_step_trace(plan);
+            if ((s.formula.per & ScoreFormula::kNextUse) && in.plan == nullptr) in.formula = s.fallback;
+            in.neighbourhood = neighbourhood.is_none() ? nullptr : &neighbourhood.cast<EvictedNeighbourhood&>();
+            in.link_bandwidth = link_bandwidth;
+            in.cache = cache.ptr();
+            return lowest_scoring(table, in, leaf_ok);
+          },
+          py::arg("table"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
+          py::arg("link_bandwidth"), py::arg("leaf_ok"),
+          "The record to release now (None: no candidate): see csrc/release_scan.h.");
+}
+
+}  // namespace pymem

@@ -1,0 +1,129 @@
+"""The runtime's release scan (csrc/release_scan.h) picks exactly the value the policy's Python
+``evaluate`` picks: every scored policy, planned or not, with recompute and with offloading (leaves
+too), on the models the runtime tests train. And a policy is its score as data (policies/base.py)."""
+import pytest
+import torch
+
+import pymem
+from pymem import _C
+from pymem.cost_model import CostModel
+from pymem.policies import Planned, Policy, get_policy
+from pymem.policies.base import formula_score
+from pymem.runtime.pressure import native_scan
+from bitwise_harness import assert_bitwise_equal, budget_at, measure_peak, run_unmanaged, state_of
+import runtime_models
+
+torch.set_num_threads(2)
+
+FIXED = CostModel(3e10, 7e9, 4e-6)  # fixed costs: the same decisions every run
+
+
+def _checking(rt, picks):
+    """rt's pressure handler, made to find each pick both ways and record the pair."""
+    handler = rt.pressure
+    native = handler._lowest_scoring
+
+    def both():
+        scan = handler.scan
+        got = native()
+        handler.scan = None
+        try:
+            want = native()  # the Python loop over the policy's evaluate
+        finally:
+            handler.scan = scan
+        picks.append((got, want))
+        return got
+
+    handler._lowest_scoring = both
+
+
+PEAKS = {}
+
+
+def _peak(name):
+    if name not in PEAKS:
+        PEAKS[name] = measure_peak(lambda: runtime_models.trainer(name), 3)
+    return PEAKS[name]
+
+
+@pytest.mark.parametrize("name,policy,plan,offload,ratio", [
+    ("gpt", "dtr", "auto", None, 0.45),
+    ("gpt", "dtr-chain", "off", None, 0.45),
+    ("gpt", "msps", "auto", None, 0.5),
+    ("gpt", "lru", "off", None, 0.5),
+    ("cnn", "dtr-local", "auto", None, 0.6),
+    ("lstm", "size", "auto", None, 0.6),
+    ("gpt", "dtr", "auto", "always", 0.35),  # offloaded ancestors; leaves offloadable (leaf_ok)
+])
+def test_scan_picks_what_evaluate_picks(managed, name, policy, plan, offload, ratio):
+    make = lambda: runtime_models.trainer(name)  # noqa: E731
+    outs, params, _ = run_unmanaged(make, 4)
+    options = dict(policy=policy, plan=plan, cost=FIXED)
+    if offload:
+        options.update(offload=offload, offload_leaves=True)
+    rt = pymem.enable(budget=budget_at(_peak(name), ratio), device="cpu", **options)
+    assert rt.pressure.scan is not None
+    picks = []
+    _checking(rt, picks)
+    step = make()
+    got = [step() for _ in range(4)]
+    got_params = [t.clone() for t in state_of(step.model)]
+    stats = dict(pymem.memory_stats())
+    del step
+    pymem.disable()
+    assert_bitwise_equal("losses", outs, got)
+    assert_bitwise_equal("parameters and buffers", params, got_params)
+    if offload:
+        assert stats["num_offloads"] > 0 and stats["num_leaf_offloads"] > 0
+    assert len(picks) > 20, len(picks)
+    wrong = [(g, w) for g, w in picks if g is not w]
+    assert not wrong, f"{len(wrong)} of {len(picks)} picks differ, the first {wrong[0]}"
+
+
+class _Custom(Policy):
+    name = "custom-test"
+
+    def evaluate(self, t, now):
+        return -t.nbytes
+
+
+def test_which_policies_scan_natively():
+    assert native_scan(get_policy("dtr")) is not None
+    assert native_scan(Planned(get_policy("dtr-chain"))) is not None
+    assert native_scan(_Custom()) is None             # its own evaluate: scored in Python
+    assert native_scan(Planned(_Custom())) is None
+
+
+def test_a_policy_is_its_score_as_data():
+    class T:
+        nbytes, compute_cost, last_access = 1000, 2.0, 10.0
+        evicted_neighbour_cost, evicted_ancestor_cost = 0.5, 1.5
+
+    t = T()
+    assert get_policy("dtr").evaluate(t, 50.0) == (2.0 + 0.5) / (1000 * 40.0)
+    assert get_policy("dtr-chain").evaluate(t, 50.0) == (2.0 + 0.5 + 1.5) / (1000 * 40.0)
+    assert get_policy("msps").evaluate(t, 50.0) == (2.0 + 1.5) / 1000
+    assert get_policy("lru").evaluate(t, 50.0) == 10.0
+    assert get_policy("size").evaluate(t, 50.0) == 1.0 / 1000
+    assert formula_score(("compute_cost",), ("nbytes", "next_use"), t, 0.0, 4.0) == 2.0 / (1000 * 4.0)
+
+    class Backwards(Policy):  # declared in any order, summed and multiplied in the canonical one
+        name = "backwards-test"
+        costs = ("evicted_neighbour_cost", "compute_cost")
+        per = ("staleness", "nbytes")
+
+    assert Backwards.costs == ("compute_cost", "evicted_neighbour_cost") and Backwards.uses_neighbourhood
+    assert Backwards().evaluate(t, 50.0) == get_policy("dtr").evaluate(t, 50.0)
+
+
+def test_unknown_terms_are_refused():
+    with pytest.raises(ValueError, match=r"unknown score term\(s\) \['bytes'\]; accepted: costs"):
+        class Bad(Policy):  # noqa: F841
+            name = "bad-test"
+            per = ("bytes",)
+    with pytest.raises(ValueError, match="unknown cost term 'cost'; accepted: compute_cost"):
+        _C.ReleaseScan(("cost",), ())
+    with pytest.raises(ValueError, match="unknown per term 'm'; accepted: nbytes, staleness, next_use"):
+        _C.ReleaseScan((), ("m",))
+    with pytest.raises(ValueError, match="a formula that reads next_use needs a fallback"):
+        _C.ReleaseScan(("compute_cost",), ("next_use",))
