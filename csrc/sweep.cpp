@@ -4,6 +4,8 @@
 #include "record.h"
 #include "storage.h"
 
+#include <torch/csrc/autograd/python_variable.h>
+
 #include <algorithm>
 #include <stdexcept>
 #include <vector>
@@ -41,6 +43,19 @@ void prune_children(RecordObject* r) {
   Py_SETREF(r->children, live.release().ptr());
 }
 
+// A leaf read by recipes that may be orphaned: its hold tensor is gone (cleared here), or it is
+// unpinned and the hold is its storage's only holder (Runtime._drop_if_orphaned decides).
+bool maybe_orphaned(RecordObject* r) {
+  PyObject* h = PyWeakref_Check(r->hold) ? PyWeakref_GetObject(r->hold) : Py_None;
+  if (h == Py_None) {
+    Py_INCREF(Py_None);
+    Py_SETREF(r->hold, Py_None);
+    return false;
+  }
+  if (r->pins != 0 || !THPVariable_Check(h)) return false;
+  return storage_use_count(THPVariable_Unpack(h)) <= 1;
+}
+
 }  // namespace
 
 py::list sweep_records(py::dict table, py::object mark_gone) {
@@ -72,7 +87,7 @@ py::list sweep_records(py::dict table, py::object mark_gone) {
   while (PyDict_Next(table.ptr(), &pos, &key, &value)) {
     RecordObject* r = reinterpret_cast<RecordObject*>(value);
     if (r->children != nullptr && PyList_Check(r->children) && PyList_GET_SIZE(r->children) > 64) prune_children(r);
-    if (r->hold != nullptr && r->hold != Py_None) held.append(value);
+    if (r->hold != nullptr && r->hold != Py_None && maybe_orphaned(r)) held.append(value);
   }
   return held;
 }

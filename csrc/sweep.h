@@ -13,7 +13,10 @@ namespace pymem {
 // first: each loses its host copy, and `mark_gone(r)` (None: skipped) is called for one that some
 // live record's recipe still reads, before any older one is looked at (one dropped is no longer a
 // live reader of its inputs). Then, for every record left: a `children` list over 64 entries loses
-// its dead weakrefs. Returns the records left whose `hold` is set (leaves read by recipes).
+// its dead weakrefs, and a `hold` whose tensor died is cleared. Returns the records left that may be
+// orphaned leaves: unpinned, with a hold tensor that is its storage's only holder (the sweep runs
+// at every new request under pressure, and most leaves, parameters among them, are held elsewhere:
+// filtering them here keeps Python off the loop).
 pybind11::list sweep_records(pybind11::dict table, pybind11::object mark_gone);
 
 }  // namespace pymem
