@@ -195,9 +195,34 @@ py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_
   return best == nullptr ? py::none() : py::reinterpret_borrow<py::object>(best);
 }
 
+py::list score_all(py::handle records, const ScanInputs& in) {
+  Scorer scorer(in);
+  py::list out;
+  for (py::handle h : py::reinterpret_borrow<py::iterable>(records)) {
+    RecordObject* r = as_record(h.ptr());
+    if (r == nullptr) throw py::type_error("pymem: ReleaseScan.scores takes records");
+    out.append(scorer.score(r));
+  }
+  return out;
+}
+
 void bind_release_scan(py::module_& m) {  // bindings.cpp calls it
   struct Scan {
     ScoreFormula formula, fallback;
+
+    ScanInputs inputs(py::dict cache, double now, py::handle plan, py::handle neighbourhood,
+                      double link_bandwidth) const {
+      ScanInputs in;
+      in.now = now;
+      in.formula = formula;
+      in.fallback = fallback;
+      in.plan = as_step_trace(plan);
+      if ((formula.per & ScoreFormula::kNextUse) && in.plan == nullptr) in.formula = fallback;
+      in.neighbourhood = neighbourhood.is_none() ? nullptr : &neighbourhood.cast<EvictedNeighbourhood&>();
+      in.link_bandwidth = link_bandwidth;
+      in.cache = cache.ptr();
+      return in;
+    }
   };
   py::class_<Scan>(m, "ReleaseScan",
                    "A policy's score as data, evaluated over the runtime's records (csrc/release_scan.h).")
@@ -214,20 +239,20 @@ void bind_release_scan(py::module_& m) {  // bindings.cpp calls it
           "lowest",
           [](const Scan& s, py::dict table, py::dict cache, double now, py::handle plan, py::handle neighbourhood,
              double link_bandwidth, py::handle leaf_ok) {
-            ScanInputs in;
-            in.now = now;
-            in.formula = s.formula;
-            in.fallback = s.fallback;
-            in.plan = as_step_trace(plan);
-            if ((s.formula.per & ScoreFormula::kNextUse) && in.plan == nullptr) in.formula = s.fallback;
-            in.neighbourhood = neighbourhood.is_none() ? nullptr : &neighbourhood.cast<EvictedNeighbourhood&>();
-            in.link_bandwidth = link_bandwidth;
-            in.cache = cache.ptr();
-            return lowest_scoring(table, in, leaf_ok);
+            return lowest_scoring(table, s.inputs(cache, now, plan, neighbourhood, link_bandwidth), leaf_ok);
           },
           py::arg("table"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
           py::arg("link_bandwidth"), py::arg("leaf_ok"),
-          "The record to release now (None: no candidate): see csrc/release_scan.h.");
+          "The record to release now (None: no candidate): see csrc/release_scan.h.")
+      .def(
+          "scores",
+          [](const Scan& s, py::handle records, py::dict cache, double now, py::handle plan, py::handle neighbourhood,
+             double link_bandwidth) {
+            const ScanInputs in = s.inputs(cache, now, plan, neighbourhood, link_bandwidth);
+            return score_all(records, in);
+          },
+          py::arg("records"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
+          py::arg("link_bandwidth"), "The score of each record (a list of floats), as `lowest` scores it.");
 }
 
 }  // namespace pymem

@@ -58,4 +58,8 @@ struct ScanInputs {
 // recipe and no locks or waits. The first of equal scores wins. None when there is no candidate.
 pybind11::object lowest_scoring(pybind11::dict table, const ScanInputs& in, pybind11::handle leaf_ok);
 
+// The score of each record of `records` (an iterable of records), as lowest_scoring scores it:
+// compaction ranks a segment's releasable values with these.
+pybind11::list score_all(pybind11::handle records, const ScanInputs& in);
+
 }  // namespace pymem

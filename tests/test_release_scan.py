@@ -9,6 +9,7 @@ from pymem import _C
 from pymem.cost_model import CostModel
 from pymem.policies import Planned, Policy, get_policy
 from pymem.policies.base import formula_score
+from pymem.runtime import compaction
 from pymem.runtime.pressure import native_scan
 from bitwise_harness import assert_bitwise_equal, budget_at, measure_peak, run_unmanaged, state_of
 import runtime_models
@@ -18,10 +19,26 @@ torch.set_num_threads(2)
 FIXED = CostModel(3e10, 7e9, 4e-6)  # fixed costs: the same decisions every run
 
 
-def _checking(rt, picks):
-    """rt's pressure handler, made to find each pick both ways and record the pair."""
+def _checking(rt, picks, plans=None):
+    """rt's pressure handler, made to find each pick (and each compaction plan, into ``plans``)
+    both ways and record the pair."""
     handler = rt.pressure
     native = handler._lowest_scoring
+    if plans is not None:
+        plan = compaction.plan
+
+        def plan_both(rt_, request, movable):
+            got = plan(rt_, request, movable)
+            scan = handler.scan
+            handler.scan = None
+            try:
+                want = plan(rt_, request, movable)
+            finally:
+                handler.scan = scan
+            plans.append((got, want))
+            return got
+
+        compaction.plan = plan_both
 
     def both():
         scan = handler.scan
@@ -38,6 +55,7 @@ def _checking(rt, picks):
 
 
 PEAKS = {}
+_PLAN = compaction.plan
 
 
 def _peak(name):
@@ -63,10 +81,13 @@ def test_scan_picks_what_evaluate_picks(managed, name, policy, plan, offload, ra
         options.update(offload=offload, offload_leaves=True)
     rt = pymem.enable(budget=budget_at(_peak(name), ratio), device="cpu", **options)
     assert rt.pressure.scan is not None
-    picks = []
-    _checking(rt, picks)
+    picks, plans = [], []
+    _checking(rt, picks, plans)
     step = make()
-    got = [step() for _ in range(4)]
+    try:
+        got = [step() for _ in range(4)]
+    finally:
+        compaction.plan = _PLAN
     got_params = [t.clone() for t in state_of(step.model)]
     stats = dict(pymem.memory_stats())
     del step
@@ -78,6 +99,14 @@ def test_scan_picks_what_evaluate_picks(managed, name, policy, plan, offload, ra
     assert len(picks) > 20, len(picks)
     wrong = [(g, w) for g, w in picks if g is not w]
     assert not wrong, f"{len(wrong)} of {len(picks)} picks differ, the first {wrong[0]}"
+    for got_plan, want_plan in plans:  # the same segment, moves and victims, in the same order
+        if want_plan is None:
+            assert got_plan is None
+            continue
+        assert got_plan[0] is want_plan[0] or got_plan[0].blocks == want_plan[0].blocks
+        assert got_plan[1] == want_plan[1]
+        assert [id(r) for r in got_plan[2]] == [id(r) for r in want_plan[2]]
+    assert plans or name == "cnn", "no compaction happened: the plans went unchecked"
 
 
 class _Custom(Policy):

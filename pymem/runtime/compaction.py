@@ -72,10 +72,22 @@ def movable_blocks(rt) -> Dict[int, tuple]:
 
 def plan(rt, request: int, movable: Dict[int, tuple]):
     """compaction_plan.plan on the arena now: waited-on inputs of a pending recompute are released
-    last, the one needed soonest last of all."""
+    last, the one needed soonest last of all. Scores come from the release scan in one call where
+    the policy has one (the same values its evaluate gives)."""
     now, evaluate, cost = rt.clock, rt.policy.evaluate, rt.policy.block_cost
-    return _plan.plan(rt.arena.blocks(), request, movable, lambda r: (r.waits > 0, r.need_rank, evaluate(r, now)),
-                      lambda r: cost(r, now))
+    handler = rt.pressure
+    releasable = [m[0] for m in movable.values() if m[2]]
+    scores = handler.scores(releasable)
+    if scores is None:
+        score_of = lambda r: evaluate(r, now)  # noqa: E731
+    else:
+        by_record = {id(r): s for r, s in zip(releasable, scores)}
+        score_of = lambda r: by_record[id(r)]  # noqa: E731
+    if scores is not None and handler.cost_from_score:
+        cost_of = lambda r: max(by_record[id(r)], 0.0) * max(r.nbytes, 1)  # noqa: E731
+    else:
+        cost_of = lambda r: cost(r, now)  # noqa: E731
+    return _plan.plan(rt.arena.blocks(), request, movable, lambda r: (r.waits > 0, r.need_rank, score_of(r)), cost_of)
 
 
 def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:

@@ -55,10 +55,18 @@ def native_scan(policy: Policy):
     return _C.ReleaseScan(policy.costs, policy.per)
 
 
+def block_cost_from_score(policy: Policy) -> bool:
+    """Whether ``policy.block_cost(t)`` is max(score, 0) * max(bytes, 1) (Policy's default; Planned
+    keeps it when its fallback does): then compaction prices a release from the scan's score."""
+    base = policy.fallback if type(policy) is Planned else policy
+    return type(base).block_cost is Policy.block_cost
+
+
 class PressureHandler:
     def __init__(self, rt, sampling: bool = False) -> None:
         self.rt = rt
         self.scan = None if sampling else native_scan(rt.policy)  # None: the Python loop
+        self.cost_from_score = block_cost_from_score(rt.policy)
         self.uses_window = rt.settings.policy.name == "coop"  # rt.policy may wrap it (Planned)
         self.num_planned = 0  # releases the step plan chose (plan="auto")
         # DTR's candidate sampling: score ~sqrt(N) random values instead of all N (seeded, so a
@@ -150,6 +158,16 @@ class PressureHandler:
             if s < best_score:
                 best, best_score = r, s
         return best
+
+    def scores(self, records):
+        """The policy's score of each of ``records`` now, as a list, from the scan; None where the
+        policy scores in Python."""
+        if self.scan is None:
+            return None
+        rt = self.rt
+        res = rt.residency
+        return self.scan.scores(records, rt.cache, rt.clock, res.plan,
+                                res.neighbourhood if res.uses_neighbourhood else None, res.link_bandwidth)
 
     def _release_lowest(self) -> int:
         rt = self.rt
