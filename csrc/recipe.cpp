@@ -172,13 +172,9 @@ PyObject* input_records(PyObject* self, PyObject*) {
   try {
     std::vector<PyObject*> recs;
     append_input_records(self, recs);
-    PyObject* out = PyList_New(static_cast<Py_ssize_t>(recs.size()));
-    if (out == nullptr) return nullptr;
-    for (size_t i = 0; i < recs.size(); ++i) {
-      Py_INCREF(recs[i]);
-      PyList_SET_ITEM(out, static_cast<Py_ssize_t>(i), recs[i]);
-    }
-    return out;
+    py::list out;  // append takes each reference before anything else can run
+    for (PyObject* r : recs) out.append(py::handle(r));
+    return out.release().ptr();
   } catch (py::error_already_set& e) {
     e.restore();
     return nullptr;
@@ -237,6 +233,7 @@ void recipe_dealloc(PyObject* self) {
 }  // namespace
 
 void append_input_records(PyObject* recipe, std::vector<PyObject*>& out) {
+  if (!PyObject_TypeCheck(recipe, &g_type)) throw py::type_error("pymem: a recipe is no RecipeBase");
   RecipeObject* r = as_recipe(recipe);
   if (r->captured != nullptr) {
     for (const CapturedRef& c : r->captured->refs)

@@ -162,28 +162,36 @@ ScoreFormula parse_formula(py::handle costs, py::handle per) {
 
 py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_ok) {
   Scorer scorer(in);
-  PyObject* best = nullptr;
+  py::object best;  // owned: Python (leaf_ok) may run between picks
   double best_score = std::numeric_limits<double>::infinity();
   auto consider = [&](PyObject* o) {
     const double s = scorer.score(reinterpret_cast<RecordObject*>(o));
     if (s < best_score) {
-      best = o;
+      best = py::reinterpret_borrow<py::object>(o);
       best_score = s;
     }
   };
-  // The table cannot change under us: leaf_ok (Residency.leaf_releasable) only sets a cost.
+  auto alive = [](const RecordObject* r) {  // fetched each time: Python reading r.sref replaces it
+    const StorageRef* s = storage_ref_of(r);
+    return s != nullptr && s->alive();
+  };
   PyObject *key, *value;
   Py_ssize_t pos = 0;
+  const Py_ssize_t size = PyDict_Size(table.ptr());
   while (PyDict_Next(table.ptr(), &pos, &key, &value)) {
     RecordObject* r = as_record(value);
     if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
     if (r->evicted || r->locks != 0 || !r->in_arena || r->pins != 0 || r->waits != 0) continue;
-    const StorageRef* s = storage_ref_of(r);
-    if (s == nullptr || !s->alive()) continue;
     if (!has_recipe(r)) {
-      if (leaf_ok.is_none() || !py::cast<bool>(leaf_ok(py::handle(value)))) continue;
-      if (!s->alive()) continue;  // the callback ran Python: a collection may have freed it
+      if (leaf_ok.is_none()) continue;
+      // Called before the liveness test, as the Python loop does (it sets the leaf's cost).
+      py::object held = py::reinterpret_borrow<py::object>(value);
+      const bool ok = py::cast<bool>(leaf_ok(held));
+      if (PyDict_Size(table.ptr()) != size)
+        throw std::runtime_error("pymem: the record table changed size during the release scan");
+      if (!ok) continue;
     }
+    if (!alive(r)) continue;
     consider(value);
   }
   pos = 0;
@@ -192,7 +200,7 @@ py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_
     if (r == nullptr || !has_recipe(r) || r->locks != 0 || r->waits != 0) continue;
     consider(key);
   }
-  return best == nullptr ? py::none() : py::reinterpret_borrow<py::object>(best);
+  return best ? best : py::none();
 }
 
 py::list score_all(py::handle records, const ScanInputs& in) {

@@ -138,3 +138,39 @@ def test_capuchin_swaps_what_hides_behind_compute_and_recomputes_the_rest():
     # Read soon: 0.8 s of the copy back is exposed too.
     assert not cap.evaluate(V(1.5, 1.0, next_use=0.2), 0.0)    # 1.8 > 1.5
     assert cap.evaluate(V(1.5, 1.0, next_use=0.2, evicted_ancestor_cost=1.0), 0.0)  # 1.8 < 2.5 (lineage)
+
+
+def test_policies_import_no_torch():
+    """A program may import pymem.policies (to register a policy) before torch, with PYMEM_BUDGET set:
+    the policies import nothing that imports torch (the union-find is read lazily from pymem._C)."""
+    import subprocess
+    import sys
+    code = ("import sys, pymem.policies as p; assert 'torch' not in sys.modules, 'torch imported'; "
+            "n = p.EvictedNeighbourhood(); n.on_evict(1, 2.0, [3]); assert n.neighbour_cost([1]) == 2.0; "
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    env = dict(__import__("os").environ, PYMEM_BUDGET="1GB", PYMEM_DEVICE="cpu")
+    code = "import pymem._startup as s; s.activate(); import pymem.policies; import torch; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_a_policy_with_its_own_evaluate_keeps_its_neighbourhood():
+    from pymem.policies import Policy
+
+    class ReadsEStar(Policy):
+        name = "reads-e-star-test"
+        uses_neighbourhood = True
+
+        def evaluate(self, t, now):
+            return t.evicted_neighbour_cost
+
+    class Plain(Policy):
+        name = "plain-test"
+
+        def evaluate(self, t, now):
+            return 0.0
+
+    assert ReadsEStar.uses_neighbourhood and not Plain.uses_neighbourhood
+    assert get_policy("dtr").uses_neighbourhood and not get_policy("msps").uses_neighbourhood

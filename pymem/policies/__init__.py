@@ -1,7 +1,9 @@
-"""Eviction policies: tiny registered classes with one ``evaluate`` method (lowest score goes first).
+"""Eviction policies: tiny registered classes whose score is data (``costs`` over ``per``, see
+base.py), read through one ``evaluate`` method (lowest score goes first).
 
-The runtime and the simulator both call these; policies import nothing from either. A policy sees
-a tensor only through the read-only attributes of :class:`TensorView` and the logical clock::
+The runtime and the simulator both call these; policies import nothing from either (the runtime's
+C++ release scan evaluates the same declared terms). A policy sees a tensor only through the
+read-only attributes of :class:`TensorView` and the logical clock::
 
     from pymem.policies import get_policy
     dtr = get_policy("dtr")
@@ -20,10 +22,17 @@ or its exposed part costs less than the recompute), ``never``, ``always``.
 from .base import Policy, TensorView, get_policy, policy_names, register
 from .director import Director, director_names, get_director, register_director
 from .heuristics import Coop, DTR, DTRChain, DTRLocal, LRU, MSPS, Size
-from .neighbourhood import EvictedNeighbourhood
 from .planned import Planned
 from .sampling import sample_candidates
 
 __all__ = ["Policy", "TensorView", "get_policy", "policy_names", "register", "DTR", "DTRChain", "DTRLocal", "LRU",
            "Size", "MSPS", "Coop", "Planned", "EvictedNeighbourhood", "sample_candidates", "Director", "director_names",
            "get_director", "register_director"]
+
+
+def __getattr__(name: str):
+    if name == "EvictedNeighbourhood":  # lazily: it is pymem._C's, which imports torch
+        from . import neighbourhood
+
+        return neighbourhood.EvictedNeighbourhood
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

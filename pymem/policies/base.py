@@ -70,7 +70,8 @@ class Policy:
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         cls.costs, cls.per = canonical_terms(cls.costs, cls.per)
-        cls.uses_neighbourhood = "evicted_neighbour_cost" in cls.costs
+        # A policy with its own evaluate may read e* without declaring it as a term: it says so.
+        cls.uses_neighbourhood = cls.__dict__.get("uses_neighbourhood", False) or "evicted_neighbour_cost" in cls.costs
 
     def evaluate(self, t: TensorView, now: float) -> float:
         return formula_score(self.costs, self.per, t, now)

@@ -14,7 +14,17 @@ candidate; the runtime (keys: record ids) and the simulator (keys: value indices
 ints. ``on_evict(key, cost, neighbours)``, ``on_rematerialize(key)`` (KeyError if not evicted),
 ``neighbour_cost(keys)``, ``is_evicted(key)``, ``len()``: nodes allocated (evicted keys plus the
 stale nodes of rematerialized ones).
+
+Read lazily: ``pymem.policies`` imports no torch (``pymem._C`` does), so a program may import it,
+to register a policy, before torch and before ``PYMEM_BUDGET`` enables pymem.
 """
-from .._C import EvictedNeighbourhood
 
 __all__ = ["EvictedNeighbourhood"]
+
+
+def __getattr__(name: str):
+    if name == "EvictedNeighbourhood":
+        from .._C import EvictedNeighbourhood
+
+        return EvictedNeighbourhood
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
