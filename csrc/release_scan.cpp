@@ -1,6 +1,7 @@
 // release_scan.cpp — the lowest-scoring releasable value (see release_scan.h), and its binding.
 #include "release_scan.h"
 
+#include "arena.h"
 #include "neighbourhood.h"
 #include "recipe.h"
 #include "record.h"
@@ -48,13 +49,25 @@ class Scorer {
  public:
   explicit Scorer(const ScanInputs& in) : in_(in) {}
 
-  double score(RecordObject* r) {
+  double score(RecordObject* r) { return score(r, nullptr); }
+
+  // Policy.block_cost: from the score, as the formula that gave it says.
+  double block_cost(RecordObject* r) {
+    const ScoreFormula* f = nullptr;
+    const double s = std::max(score(r, &f), 0.0);
+    return f->block_per_byte ? s * static_cast<double>(std::max<int64_t>(r->nbytes, 1)) : s;
+  }
+
+ private:
+  double score(RecordObject* r, const ScoreFormula** used) {
     const ScoreFormula* f = &in_.formula;
+    if (used != nullptr) *used = f;
     double d = 0;
     if (f->per & ScoreFormula::kNextUse) {
       d = next_use(r, kReaderDepth);
       if (d < 0) {
         f = &in_.fallback;  // the plan cannot place it
+        if (used != nullptr) *used = f;
       } else if (d == std::numeric_limits<double>::infinity()) {
         return 0.0;  // read no more this step: released first, its costs not walked (planned.py)
       }
@@ -62,7 +75,6 @@ class Scorer {
     return evaluate(*f, r, d);
   }
 
- private:
   double evaluate(const ScoreFormula& f, RecordObject* r, double d) {
     double num = 1.0;
     bool any = false;
@@ -203,6 +215,63 @@ py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_
   return best ? best : py::none();
 }
 
+py::dict mark_window_owners(Arena& arena, py::dict table, const ScanInputs& in, py::handle leaf_ok, uintptr_t lo,
+                            uintptr_t hi) {
+  auto data_ptr = [](const RecordObject* r) -> uintptr_t {
+    const StorageRef* s = storage_ref_of(r);
+    return s != nullptr ? s->data_ptr() : 0;
+  };
+  auto leaf_may_go = [&](PyObject* value) {
+    return !leaf_ok.is_none() && py::cast<bool>(leaf_ok(py::handle(value)));
+  };
+  // Owner 0: a value that must stay (locked, waited on, pinned, a leaf that cannot go).
+  std::vector<py::object> table_records;  // owned: leaf_ok runs Python
+  PyObject *key, *value;
+  Py_ssize_t pos = 0;
+  while (PyDict_Next(table.ptr(), &pos, &key, &value)) table_records.push_back(py::reinterpret_borrow<py::object>(value));
+  for (const py::object& o : table_records) {
+    RecordObject* r = as_record(o.ptr());
+    if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
+    if (!r->in_arena || r->evicted) continue;
+    if (r->locks != 0 || r->waits != 0 || r->pins != 0 || (!has_recipe(r) && !leaf_may_go(o.ptr()))) {
+      const uintptr_t addr = data_ptr(r);
+      if (addr != 0) arena.set_owner(addr, 0, 0.0);
+    }
+  }
+  std::vector<std::pair<py::object, uintptr_t>> cached;  // (record, address) of the cache
+  pos = 0;
+  while (PyDict_Next(in.cache, &pos, &key, &value)) {
+    RecordObject* r = as_record(key);
+    if (r == nullptr) continue;
+    const uintptr_t addr = py::cast<const StorageRef&>(PyTuple_GET_ITEM(value, 0)).data_ptr();
+    cached.emplace_back(py::reinterpret_borrow<py::object>(key), addr);
+    if (r->locks != 0 || r->waits != 0) arena.set_owner(addr, 0, 0.0);
+  }
+  // The candidates, as lowest_scoring takes them, with their block costs.
+  std::vector<std::pair<py::object, uintptr_t>> candidates;
+  for (const py::object& o : table_records) {
+    RecordObject* r = as_record(o.ptr());
+    if (r->evicted || r->locks != 0 || !r->in_arena || r->pins != 0 || r->waits != 0) continue;
+    if (!has_recipe(r) && !leaf_may_go(o.ptr())) continue;
+    const StorageRef* s = storage_ref_of(r);
+    if (s == nullptr || !s->alive()) continue;
+    candidates.emplace_back(o, s->data_ptr());
+  }
+  for (auto& [o, addr] : cached) {
+    RecordObject* r = as_record(o.ptr());
+    if (has_recipe(r) && r->locks == 0 && r->waits == 0) candidates.emplace_back(o, addr);
+  }
+  Scorer scorer(in);
+  py::dict owners;
+  for (auto& [o, addr] : candidates) {
+    if (addr == 0 || addr < lo || addr >= hi) continue;
+    RecordObject* r = as_record(o.ptr());
+    arena.set_owner(addr, static_cast<uint64_t>(r->id), scorer.block_cost(r));
+    owners[py::int_(r->id)] = o;
+  }
+  return owners;
+}
+
 py::list score_all(py::handle records, const ScanInputs& in) {
   Scorer scorer(in);
   py::list out;
@@ -234,15 +303,19 @@ void bind_release_scan(py::module_& m) {  // bindings.cpp calls it
   };
   py::class_<Scan>(m, "ReleaseScan",
                    "A policy's score as data, evaluated over the runtime's records (csrc/release_scan.h).")
-      .def(py::init([](py::handle costs, py::handle per, py::handle fallback_costs, py::handle fallback_per) {
+      .def(py::init([](py::handle costs, py::handle per, py::handle fallback_costs, py::handle fallback_per,
+                       bool block_per_byte, bool fallback_block_per_byte) {
              Scan s{parse_formula(costs, per), parse_formula(fallback_costs, fallback_per)};
+             s.formula.block_per_byte = block_per_byte;
+             s.fallback.block_per_byte = fallback_block_per_byte;
              if ((s.fallback.per & ScoreFormula::kNextUse) ||
                  ((s.formula.per & ScoreFormula::kNextUse) && s.fallback.costs == 0 && s.fallback.per == 0))
                throw std::invalid_argument("a formula that reads next_use needs a fallback that does not");
              return s;
            }),
            py::arg("costs"), py::arg("per"), py::arg("fallback_costs") = py::tuple(),
-           py::arg("fallback_per") = py::tuple())
+           py::arg("fallback_per") = py::tuple(), py::arg("block_per_byte") = true,
+           py::arg("fallback_block_per_byte") = true)
       .def(
           "lowest",
           [](const Scan& s, py::dict table, py::dict cache, double now, py::handle plan, py::handle neighbourhood,
@@ -260,7 +333,17 @@ void bind_release_scan(py::module_& m) {  // bindings.cpp calls it
             return score_all(records, in);
           },
           py::arg("records"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
-          py::arg("link_bandwidth"), "The score of each record (a list of floats), as `lowest` scores it.");
+          py::arg("link_bandwidth"), "The score of each record (a list of floats), as `lowest` scores it.")
+      .def(
+          "mark_window",
+          [](const Scan& s, Arena& arena, py::dict table, py::dict cache, double now, py::handle plan,
+             py::handle neighbourhood, double link_bandwidth, py::handle leaf_ok, uintptr_t lo, uintptr_t hi) {
+            return mark_window_owners(arena, table, s.inputs(cache, now, plan, neighbourhood, link_bandwidth), leaf_ok,
+                                      lo, hi);
+          },
+          py::arg("arena"), py::arg("table"), py::arg("cache"), py::arg("now"), py::arg("plan"),
+          py::arg("neighbourhood"), py::arg("link_bandwidth"), py::arg("leaf_ok"), py::arg("lo"), py::arg("hi"),
+          "Coop's window search input: owners and block costs set on the arena; {id: record} of the candidates.");
 }
 
 }  // namespace pymem

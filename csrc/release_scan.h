@@ -39,6 +39,9 @@ struct ScoreFormula {
   enum Per : uint32_t { kBytes = 1, kStaleness = 2, kNextUse = 4 };
   uint32_t costs = 0;
   uint32_t per = 0;
+  // The block cost Coop's window search sums: max(score, 0) times the bytes (most policies), or
+  // max(score, 0) alone (a policy whose score is already per block: coop, lru, size).
+  bool block_per_byte = true;
 };
 
 // What one scan reads besides the records.
@@ -57,6 +60,15 @@ struct ScanInputs {
 // `leaf_ok(record)` is true: leaf_ok None means no leaf may go), then the cache's records with a
 // recipe and no locks or waits. The first of equal scores wins. None when there is no candidate.
 pybind11::object lowest_scoring(pybind11::dict table, const ScanInputs& in, pybind11::handle leaf_ok);
+
+class Arena;  // arena.h
+
+// Coop's window search over the arena (pressure.py's _release_window): every block of a value that
+// must stay gets owner 0 (resets a window), every candidate (as lowest_scoring picks them) in
+// [lo, hi) gets its record id as owner and its block cost. Returns {id: record} of the candidates
+// marked. `leaf_ok` as above.
+pybind11::dict mark_window_owners(Arena& arena, pybind11::dict table, const ScanInputs& in, pybind11::handle leaf_ok,
+                                  uintptr_t lo, uintptr_t hi);
 
 // The score of each record of `records` (an iterable of records), as lowest_scoring scores it:
 // compaction ranks a segment's releasable values with these.

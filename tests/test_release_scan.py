@@ -19,6 +19,28 @@ torch.set_num_threads(2)
 FIXED = CostModel(3e10, 7e9, 4e-6)  # fixed costs: the same decisions every run
 
 
+def _checking_windows(rt, marks):
+    """rt's window marking (coop), done both ways: the arena's owners and costs, and the candidates."""
+    handler = rt.pressure
+    native = handler._mark_window
+
+    def both():
+        python_owners = None
+        scan = handler.window_scan
+        handler.window_scan = None
+        try:
+            python_owners = native()
+        finally:
+            handler.window_scan = scan
+        want = [(b.addr, b.owner, b.cost) for b in rt.arena.blocks() if b.allocated]
+        got_owners = native()
+        got = [(b.addr, b.owner, b.cost) for b in rt.arena.blocks() if b.allocated]
+        marks.append((got == want, {k: id(v) for k, v in got_owners.items()} == {k: id(v) for k, v in python_owners.items()}))
+        return got_owners
+
+    handler._mark_window = both
+
+
 def _checking(rt, picks, plans=None):
     """rt's pressure handler, made to find each pick (and each compaction plan, into ``plans``)
     both ways and record the pair."""
@@ -107,6 +129,27 @@ def test_scan_picks_what_evaluate_picks(managed, name, policy, plan, offload, ra
         assert got_plan[1] == want_plan[1]
         assert [id(r) for r in got_plan[2]] == [id(r) for r in want_plan[2]]
     assert plans or name == "cnn", "no compaction happened: the plans went unchecked"
+
+
+@pytest.mark.parametrize("plan", ["auto", "off"])
+def test_window_marks_match_the_python_ones(managed, plan):
+    """coop: every block's owner and cost, and the candidates, as the Python loop sets them."""
+    make = lambda: runtime_models.trainer("gpt")  # noqa: E731
+    outs, params, _ = run_unmanaged(make, 4)
+    rt = pymem.enable(budget=budget_at(_peak("gpt"), 0.45), device="cpu", policy="coop", plan=plan, cost=FIXED)
+    assert rt.pressure.window_scan is not None
+    marks = []
+    _checking_windows(rt, marks)
+    step = make()
+    got = [step() for _ in range(4)]
+    got_params = [t.clone() for t in state_of(step.model)]
+    del step
+    pymem.disable()
+    assert_bitwise_equal("losses", outs, got)
+    assert_bitwise_equal("parameters and buffers", params, got_params)
+    assert len(marks) > 20
+    assert all(blocks and owners for blocks, owners in marks), \
+        f"{sum(not (b and o) for b, o in marks)} of {len(marks)} markings differ"
 
 
 class _Custom(Policy):

@@ -64,6 +64,7 @@ class Policy:
     name: ClassVar[str] = ""
     costs: ClassVar[Tuple[str, ...]] = ()
     per: ClassVar[Tuple[str, ...]] = ()
+    block_cost_per_byte: ClassVar[bool] = True  # see block_cost
     # True if the policy reads evicted_neighbour_cost: the caller then keeps an EvictedNeighbourhood.
     uses_neighbourhood: ClassVar[bool] = False
 
@@ -78,8 +79,10 @@ class Policy:
 
     def block_cost(self, t: TensorView, now: float) -> float:
         """The cost (>= 0) of releasing t's whole block, for the arena's window search, which sums
-        it over address-contiguous blocks. Default: a per-byte score times the bytes."""
-        return max(self.evaluate(t, now), 0.0) * max(t.nbytes, 1)
+        it over address-contiguous blocks: the score times the bytes (a per-byte score), or the
+        score alone where ``block_cost_per_byte`` is False (a score that is already per block)."""
+        s = max(self.evaluate(t, now), 0.0)
+        return s * max(t.nbytes, 1) if self.block_cost_per_byte else s
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

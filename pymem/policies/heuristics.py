@@ -4,7 +4,7 @@ Each is its score as data (base.py): the sum of ``costs`` over the product of ``
 c = compute_cost (the producer's cost), e* = evicted_neighbour_cost (the evicted neighbourhood a
 future recompute would redo), a* = evicted_ancestor_cost, m = nbytes, s = staleness.
 """
-from .base import Policy, TensorView, register
+from .base import Policy, register
 
 
 @register
@@ -45,9 +45,7 @@ class LRU(Policy):
 
     name = "lru"
     costs = ("last_access",)
-
-    def block_cost(self, t: TensorView, now: float) -> float:
-        return max(t.last_access, 0.0)
+    block_cost_per_byte = False
 
 
 @register
@@ -56,9 +54,7 @@ class Size(Policy):
 
     name = "size"
     per = ("nbytes",)
-
-    def block_cost(self, t: TensorView, now: float) -> float:
-        return 1.0 / max(t.nbytes, 1)
+    block_cost_per_byte = False
 
 
 @register
@@ -79,6 +75,4 @@ class Coop(Policy):
     name = "coop"
     costs = ("compute_cost", "evicted_neighbour_cost")
     per = ("staleness",)
-
-    def block_cost(self, t: TensorView, now: float) -> float:
-        return self.evaluate(t, now)
+    block_cost_per_byte = False  # c'/s per block: the window search weighs bytes itself

@@ -49,17 +49,26 @@ def native_scan(policy: Policy):
         fallback = policy.fallback
         if type(fallback).evaluate is not Policy.evaluate:
             return None
-        return _C.ReleaseScan(policy.costs, policy.per, fallback.costs, fallback.per)
+        return _C.ReleaseScan(policy.costs, policy.per, fallback.costs, fallback.per,
+                              fallback_block_per_byte=fallback.block_cost_per_byte)
     if type(policy).evaluate is not Policy.evaluate:
         return None
-    return _C.ReleaseScan(policy.costs, policy.per)
+    return _C.ReleaseScan(policy.costs, policy.per, block_per_byte=policy.block_cost_per_byte)
+
+
+def declared_block_cost(policy: Policy) -> bool:
+    """Whether ``policy.block_cost`` is the declared one (Policy's, from the score; Planned's when
+    its fallback's is): then the scan prices blocks for Coop's window search."""
+    base = policy.fallback if type(policy) is Planned else policy
+    return type(base).block_cost is Policy.block_cost
 
 
 def block_cost_from_score(policy: Policy) -> bool:
-    """Whether ``policy.block_cost(t)`` is max(score, 0) * max(bytes, 1) (Policy's default; Planned
-    keeps it when its fallback does): then compaction prices a release from the scan's score."""
+    """Whether ``policy.block_cost(t)`` is max(score, 0) * max(bytes, 1) for every value (Policy's
+    default; Planned keeps it when its fallback does): then compaction prices a release from the
+    scan's score."""
     base = policy.fallback if type(policy) is Planned else policy
-    return type(base).block_cost is Policy.block_cost
+    return declared_block_cost(policy) and base.block_cost_per_byte
 
 
 class PressureHandler:
@@ -67,6 +76,7 @@ class PressureHandler:
         self.rt = rt
         self.scan = None if sampling else native_scan(rt.policy)  # None: the Python loop
         self.cost_from_score = block_cost_from_score(rt.policy)
+        self.window_scan = self.scan if declared_block_cost(rt.policy) else None
         self.uses_window = rt.settings.policy.name == "coop"  # rt.policy may wrap it (Planned)
         self.num_planned = 0  # releases the step plan chose (plan="auto")
         # DTR's candidate sampling: score ~sqrt(N) random values instead of all N (seeded, so a
@@ -186,8 +196,17 @@ class PressureHandler:
         rt.residency.release(best)
         return best.nbytes
 
-    def _release_window(self, request: int) -> bool:
+    def _mark_window(self) -> dict:
+        """Every arena block's owner and release cost for Coop's window search: owner 0 for a value
+        that must stay (resets a window), the record id and its block cost for a candidate.
+        Returns {id: record} of the candidates."""
         rt = self.rt
+        if self.window_scan is not None:
+            res = rt.residency
+            return self.window_scan.mark_window(rt.arena, rt.table, rt.cache, rt.clock, res.plan,
+                                                res.neighbourhood if res.uses_neighbourhood else None,
+                                                res.link_bandwidth, res.leaf_releasable if res.offload_leaves else None,
+                                                rt.lo, rt.hi)
         arena, now, cost = rt.arena, rt.clock, rt.policy.block_cost
         owners = {}
         for r in rt.table.values():  # owner 0: not releasable; resets the window
@@ -204,7 +223,12 @@ class PressureHandler:
             if addr and rt.lo <= addr < rt.hi:
                 arena.set_owner(addr, r.id, cost(r, now))
                 owners[r.id] = r
-        w = arena.find_window(request)
+        return owners
+
+    def _release_window(self, request: int) -> bool:
+        rt = self.rt
+        owners = self._mark_window()
+        w = rt.arena.find_window(request)
         if w is None:
             return False
         for owner in w.owners:
