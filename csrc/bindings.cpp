@@ -128,7 +128,7 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
     d["slow"] = s.slow;
     return d;
   });
-  m.def("sweep_records", &pymem::sweep_records, py::arg("table"), py::arg("mark_gone"),
+  m.def("sweep_records", &pymem::sweep_records, py::arg("table"), py::arg("mark_gone"), py::arg("cache"),
         "Runtime.sweep's scan (csrc/sweep.h): drop the records whose storage died; the records left that may be orphaned leaves.");
   m.def("interception_included", &pymem::included_on_this_thread);
   m.def("alias_tensor", &pymem::alias_tensor, py::arg("tensor"),

@@ -43,9 +43,50 @@ void prune_children(RecordObject* r) {
   Py_SETREF(r->children, live.release().ptr());
 }
 
+bool available(const RecordObject* r, PyObject* cache) {  // Residency.is_available
+  const int in_cache = PyDict_Contains(cache, reinterpret_cast<PyObject*>(const_cast<RecordObject*>(r)));
+  if (in_cache < 0) throw py::error_already_set();
+  if (in_cache) return true;
+  const StorageRef* s = storage_ref_of(r);
+  return s != nullptr && !r->evicted && s->alive();
+}
+
+// remat.release_orphaned_leaf's walk, without its effects: whether dropping the recipes that read
+// `leaf` would cost no recompute (no dependent evicted, waited on or cached) and pin no more bytes
+// than the leaf frees. A no here is that function's no; a yes, Python walks again and acts.
+bool orphan_release_may_pay(const RecordObject* leaf, PyObject* cache) {
+  int64_t room = leaf->nbytes;
+  std::vector<int64_t> seen;
+  std::vector<PyObject*> stack;
+  auto push_children = [&](const RecordObject* r) {
+    if (r->children == nullptr || !PyList_Check(r->children)) return;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->children); ++i) {
+      PyObject* c = PyWeakref_GetObject(PyList_GET_ITEM(r->children, i));
+      if (c != Py_None) stack.push_back(c);
+    }
+  };
+  push_children(leaf);
+  while (!stack.empty()) {
+    const RecordObject* r = reinterpret_cast<RecordObject*>(stack.back());
+    stack.pop_back();
+    if (std::find(seen.begin(), seen.end(), r->id) != seen.end()) continue;
+    seen.push_back(r->id);
+    if (r->recipe != nullptr && r->recipe != Py_None) {
+      const int in_cache = PyDict_Contains(cache, reinterpret_cast<PyObject*>(const_cast<RecordObject*>(r)));
+      if (in_cache < 0) throw py::error_already_set();
+      if (r->evicted || r->waits != 0 || in_cache) return false;
+      if (available(r, cache)) room -= r->nbytes;
+      if (room < 0) return false;
+    }
+    push_children(r);
+  }
+  return true;
+}
+
 // A leaf read by recipes that may be orphaned: its hold tensor is gone (cleared here), or it is
-// unpinned and the hold is its storage's only holder (Runtime._drop_if_orphaned decides).
-bool maybe_orphaned(RecordObject* r) {
+// unpinned, the hold is its storage's only holder, and releasing its readers' recipes may pay
+// (Runtime._drop_if_orphaned decides).
+bool maybe_orphaned(RecordObject* r, PyObject* cache) {
   PyObject* h = PyWeakref_Check(r->hold) ? PyWeakref_GetObject(r->hold) : Py_None;
   if (h == Py_None) {
     Py_INCREF(Py_None);
@@ -53,12 +94,12 @@ bool maybe_orphaned(RecordObject* r) {
     return false;
   }
   if (r->pins != 0 || !THPVariable_Check(h)) return false;
-  return storage_use_count(THPVariable_Unpack(h)) <= 1;
+  return storage_use_count(THPVariable_Unpack(h)) <= 1 && orphan_release_may_pay(r, cache);
 }
 
 }  // namespace
 
-py::list sweep_records(py::dict table, py::object mark_gone) {
+py::list sweep_records(py::dict table, py::object mark_gone, py::dict cache) {
   std::vector<std::pair<py::object, py::object>> found;  // (key, record): the table cannot change while walked
   PyObject *key, *value;
   Py_ssize_t pos = 0;
@@ -87,7 +128,7 @@ py::list sweep_records(py::dict table, py::object mark_gone) {
   while (PyDict_Next(table.ptr(), &pos, &key, &value)) {
     RecordObject* r = reinterpret_cast<RecordObject*>(value);
     if (r->children != nullptr && PyList_Check(r->children) && PyList_GET_SIZE(r->children) > 64) prune_children(r);
-    if (r->hold != nullptr && r->hold != Py_None && maybe_orphaned(r)) held.append(value);
+    if (r->hold != nullptr && r->hold != Py_None && maybe_orphaned(r, cache.ptr())) held.append(value);
   }
   return held;
 }

@@ -14,9 +14,10 @@ namespace pymem {
 // live record's recipe still reads, before any older one is looked at (one dropped is no longer a
 // live reader of its inputs). Then, for every record left: a `children` list over 64 entries loses
 // its dead weakrefs, and a `hold` whose tensor died is cleared. Returns the records left that may be
-// orphaned leaves: unpinned, with a hold tensor that is its storage's only holder (the sweep runs
-// at every new request under pressure, and most leaves, parameters among them, are held elsewhere:
-// filtering them here keeps Python off the loop).
-pybind11::list sweep_records(pybind11::dict table, pybind11::object mark_gone);
+// orphaned leaves: unpinned, with a hold tensor that is its storage's only holder, and readers whose
+// recipes remat.release_orphaned_leaf would drop (its walk, over `cache`, the runtime's recompute
+// cache). The sweep runs at every new request under pressure, and most leaves are held elsewhere
+// or kept by their readers: filtering them here keeps Python off the loop.
+pybind11::list sweep_records(pybind11::dict table, pybind11::object mark_gone, pybind11::dict cache);
 
 }  // namespace pymem

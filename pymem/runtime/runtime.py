@@ -248,7 +248,7 @@ class Runtime(_C.RuntimeBase):
         evicted for DTR's neighbourhood from now on; one nothing reads is forgotten (banished)."""
         # In C++ (csrc/sweep.h): the table is mutated in place (run_op holds a reference across the op).
         residency = self.residency
-        held = _C.sweep_records(self.table, residency.mark_gone if residency.uses_neighbourhood else None)
+        held = _C.sweep_records(self.table, residency.mark_gone if residency.uses_neighbourhood else None, self.cache)
         for r in held:
             self._drop_if_orphaned(r)
         self._sweep_at = max(4096, 2 * len(self.table))
