@@ -162,13 +162,13 @@ def _is_out_of_budget(e):
 
 STATS = ("budget_bytes", "allocated_bytes.peak", "num_evictions", "num_rematerializations", "num_offloads",
          "num_leaf_offloads", "offloaded_bytes", "num_swap_ins", "num_prefetches", "num_late_uses", "host_bytes.peak",
-         "remat_seconds", "swap_seconds", "plan_hits", "plan_divergences", "num_ops")
+         "remat_seconds", "pressure_seconds", "swap_seconds", "plan_hits", "plan_divergences", "num_ops")
 
 
 def one(cfg):
     """One configuration, in this process: a dict of its figures (see the module doc)."""
     device, budget = cfg["device"], cfg["budget"]
-    res = {"name": cfg["name"], "budget_bytes": budget}
+    res = {"name": cfg["name"], "budget_bytes": budget, "steps": cfg["steps"]}
     if device.startswith("cuda"):
         torch.use_deterministic_algorithms(True, warn_only=True)
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -367,6 +367,8 @@ def summary(results):
                 f["stats"] = r["stats"]
                 f["num_evictions"] = r["stats"].get("num_evictions")
                 f["num_offloads"] = r["stats"].get("num_offloads")
+                if r["stats"].get("pressure_seconds") is not None and r.get("steps"):
+                    f["pressure_ms"] = r["stats"]["pressure_seconds"] / r["steps"] * 1e3  # every step, warm-up too
         else:
             f["error"] = r.get("error")
             f["crashed"] = bool(r.get("crashed"))  # an error other than OutOfBudgetError / the time limit
@@ -383,7 +385,8 @@ def _row(name, f):
             f"{(f.get('error') or '')[:70]}"
     bitwise = "ref" if f["bitwise_reference"] is None else {True: "yes", False: "NO", None: "?"}[f["bitwise"]]
     extra = "" if "stats" not in f else \
-        f"  evictions {f['num_evictions']}, offloads {f['num_offloads']}"
+        f"  evictions {f['num_evictions']}, offloads {f['num_offloads']}" + \
+        (f", pressure {f['pressure_ms']:.1f} ms a step" if f.get("pressure_ms") is not None else "")
     return f"{name:58s} {f['peak']:6.2f} {budget:>6s} {f['slowdown']:7.2f}x {bitwise:>7s} {'yes':>8s}{extra}"
 
 

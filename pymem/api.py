@@ -182,7 +182,8 @@ def memory_stats() -> dict:
 
     Always: ``budget_bytes``, ``allocated_bytes.current`` / ``.peak``, ``num_allocs``, ``num_frees``,
     ``allocator`` (``"arena"`` or ``"native"``), ``num_ops``, ``num_evictions``, ``evicted_bytes``,
-    ``num_rematerializations``, ``remat_seconds``, ``num_invalidations``, ``num_leaf_copies``,
+    ``num_rematerializations``, ``remat_seconds``, ``pressure_seconds`` (time in the arena's pressure
+    handler: choosing, releasing, compacting; copies out included), ``num_invalidations``, ``num_leaf_copies``,
     ``num_orphaned_leaves`` (inputs freed once only recipes held them, their readers made leaves),
     ``num_retries`` (ops run again after a refused allocation), ``num_records``,
     ``num_pinned_storages`` (shared outside torch, or pinned with ``pymem.pin``) and

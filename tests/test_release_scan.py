@@ -116,6 +116,7 @@ def test_scan_picks_what_evaluate_picks(managed, name, policy, plan, offload, ra
     pymem.disable()
     assert_bitwise_equal("losses", outs, got)
     assert_bitwise_equal("parameters and buffers", params, got_params)
+    assert stats["pressure_seconds"] > 0
     if offload:
         assert stats["num_offloads"] > 0 and stats["num_leaf_offloads"] > 0
     assert len(picks) > 20, len(picks)
@@ -150,6 +151,15 @@ def test_window_marks_match_the_python_ones(managed, plan):
     assert len(marks) > 20
     assert all(blocks and owners for blocks, owners in marks), \
         f"{sum(not (b and o) for b, o in marks)} of {len(marks)} markings differ"
+
+
+def test_pressure_seconds_count_only_the_handler(managed):
+    pymem.enable(budget="256MB", device="cpu")
+    step = runtime_models.trainer("mlp")
+    for _ in range(2):
+        step()
+    assert pymem.memory_stats()["pressure_seconds"] == 0.0  # no pressure, no handler
+    del step
 
 
 class _Custom(Policy):

@@ -89,6 +89,7 @@ class PressureHandler:
         # Per thread: the handler runs on the allocating thread, and another thread's handling while
         # this thread's kernel ran is not this op's (a shared count made costs negative).
         self.spent = _ThreadSeconds()
+        self.seconds = 0.0  # every thread's, for memory_stats()["pressure_seconds"]
 
     def __call__(self, request: int, window) -> None:
         rt = self.rt
@@ -99,7 +100,9 @@ class PressureHandler:
             try:
                 self._make_room(request, window)
             finally:
-                _C.add_handler_seconds(_perf() - t0)
+                spent = _perf() - t0
+                _C.add_handler_seconds(spent)
+                self.seconds += spent
             if unmanaged and _progress(rt.arena) == before:
                 rt.threads.check_current(request)
 

@@ -737,6 +737,7 @@ class Runtime(_C.RuntimeBase):
             "num_invalidations": self.num_invalidations,
             "num_leaf_copies": self.num_leaf_copies,
             "num_orphaned_leaves": self.num_orphaned_leaves,
+            "pressure_seconds": self.pressure.seconds,
             "plan_hits": self.pressure.num_planned,
             "num_planned_releases": self.num_planned_releases,
             "plan_divergences": self.trace.num_divergences,
