@@ -83,10 +83,9 @@ bool orphan_release_may_pay(const RecordObject* leaf, PyObject* cache) {
   return true;
 }
 
-// A leaf read by recipes that may be orphaned: its hold tensor is gone (cleared here), or it is
-// unpinned, the hold is its storage's only holder, and releasing its readers' recipes may pay
-// (Runtime._drop_if_orphaned decides).
-bool maybe_orphaned(RecordObject* r, PyObject* cache) {
+// A leaf read by recipes that only recipes hold: its hold tensor is alive, its storage's only
+// holder, and it is unpinned. A hold whose tensor died is cleared here.
+bool held_by_recipes_only(RecordObject* r) {
   PyObject* h = PyWeakref_Check(r->hold) ? PyWeakref_GetObject(r->hold) : Py_None;
   if (h == Py_None) {
     Py_INCREF(Py_None);
@@ -94,7 +93,7 @@ bool maybe_orphaned(RecordObject* r, PyObject* cache) {
     return false;
   }
   if (r->pins != 0 || !THPVariable_Check(h)) return false;
-  return storage_use_count(THPVariable_Unpack(h)) <= 1 && orphan_release_may_pay(r, cache);
+  return storage_use_count(THPVariable_Unpack(h)) <= 1;
 }
 
 }  // namespace
@@ -128,7 +127,8 @@ py::list sweep_records(py::dict table, py::object mark_gone, py::dict cache) {
   while (PyDict_Next(table.ptr(), &pos, &key, &value)) {
     RecordObject* r = reinterpret_cast<RecordObject*>(value);
     if (r->children != nullptr && PyList_Check(r->children) && PyList_GET_SIZE(r->children) > 64) prune_children(r);
-    if (r->hold != nullptr && r->hold != Py_None && maybe_orphaned(r, cache.ptr())) held.append(value);
+    if (r->hold != nullptr && r->hold != Py_None && held_by_recipes_only(r))
+      held.append(py::make_tuple(py::handle(value), orphan_release_may_pay(r, cache.ptr())));
   }
   return held;
 }

@@ -24,17 +24,27 @@ def _checking_windows(rt, marks):
     handler = rt.pressure
     native = handler._mark_window
 
+    def reset():  # a sentinel on every block, so a mark one side leaves out shows
+        for b in rt.arena.blocks():
+            if b.allocated:
+                rt.arena.set_owner(b.addr, 987654321, 12345.0)
+
+    def leaf_costs():  # leaf_releasable sets them
+        return [r.compute_cost for r in rt.table.values() if r.recipe is None]
+
     def both():
         python_owners = None
         scan = handler.window_scan
         handler.window_scan = None
+        reset()
         try:
             python_owners = native()
         finally:
             handler.window_scan = scan
-        want = [(b.addr, b.owner, b.cost) for b in rt.arena.blocks() if b.allocated]
+        want = [(b.addr, b.owner, b.cost) for b in rt.arena.blocks() if b.allocated] + leaf_costs()
+        reset()
         got_owners = native()
-        got = [(b.addr, b.owner, b.cost) for b in rt.arena.blocks() if b.allocated]
+        got = [(b.addr, b.owner, b.cost) for b in rt.arena.blocks() if b.allocated] + leaf_costs()
         marks.append((got == want, {k: id(v) for k, v in got_owners.items()} == {k: id(v) for k, v in python_owners.items()}))
         return got_owners
 

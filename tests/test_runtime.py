@@ -226,6 +226,26 @@ def test_an_input_no_tensor_holds_is_freed_with_the_recipes_that_read_it(managed
         pymem.evict(kept[0])  # a leaf now: its input is gone
 
 
+def test_freeing_one_input_lets_the_sweep_free_the_next(managed):
+    """Dropping A's readers' recipes (A's storage freed) makes Y a leaf, so B, read by Y and W, pins no
+    more than it frees once only W (64 B) still reads it: the same sweep frees both, as it would
+    one leaf at a time (the C++ filter decides on the graph before any drop)."""
+    rt = pymem.enable(64 * MiB)
+    with torch.no_grad():
+        with pymem.no_recompute():
+            a = torch.full((256, 1024), 1.0)   # 1 MiB leaf, older than b
+            b = torch.full((16384,), 2.0)      # 64 KiB leaf
+        y = a[:128] * b[:1024]                 # 512 KiB, reads a and b
+        w = b[:16] * 3                         # 64 B, reads b only
+        del a, b
+    before = pymem.memory_stats()["num_orphaned_leaves"]
+    rt.sweep()
+    assert pymem.memory_stats()["num_orphaned_leaves"] - before == 2
+    rt.sweep()
+    assert pymem.memory_stats()["num_orphaned_leaves"] - before == 2
+    assert torch.equal(y, torch.full((128, 1024), 2.0)) and torch.equal(w, torch.full((16,), 6.0))
+
+
 def test_an_input_read_by_larger_kept_values_stays(managed):
     """The other way round: a small input whose kept outputs are larger stays held by their recipes
     (freeing it would make the outputs leaves, pinning more than it frees); they stay evictable."""

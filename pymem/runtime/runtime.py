@@ -249,26 +249,29 @@ class Runtime(_C.RuntimeBase):
         # In C++ (csrc/sweep.h): the table is mutated in place (run_op holds a reference across the op).
         residency = self.residency
         held = _C.sweep_records(self.table, residency.mark_gone if residency.uses_neighbourhood else None, self.cache)
-        for r in held:
-            self._drop_if_orphaned(r)
+        dropped = False  # the C++ answers hold for the graph until a leaf's readers lose their recipes
+        for r, may_pay in held:
+            if may_pay or dropped:
+                dropped = self._drop_if_orphaned(r) or dropped
         self._sweep_at = max(4096, 2 * len(self.table))
         residency.rebuild_neighbourhood()
 
-    def _drop_if_orphaned(self, r: Record) -> None:
+    def _drop_if_orphaned(self, r: Record) -> bool:
         """Leaf ``r``'s storage is held by recipes only (or by nothing: then its hold is gone):
-        free it if its readers may become leaves (remat.release_orphaned_leaf)."""
+        free it if its readers may become leaves (remat.release_orphaned_leaf). True if it did."""
         h = r.hold()
         if h is None:
             r.hold = None
-            return
+            return False
         if r.pins or _use_count(h) > 1 or not remat.release_orphaned_leaf(self, r):
-            return
+            return False
         self.num_orphaned_leaves += 1
         r.hold = None
         key = r.sref.key
         del h  # the recipes that held it are gone: the storage dies here
         if not r.sref.alive and self.table.get(key) is r:
             del self.table[key]
+        return True
 
     def before_resize(self, storage, nbytes: int) -> None:
         """``storage.resize_(nbytes)`` is about to run. No op pymem sees, yet it destroys the value
