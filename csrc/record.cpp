@@ -165,6 +165,17 @@ const StorageRef* storage_ref_of(const RecordObject* r) {
   return &pybind11::handle(r->sref).cast<const StorageRef&>();
 }
 
+bool storage_alive(const RecordObject* r) {
+  const StorageRef* s = storage_ref_of(r);
+  return s != nullptr && s->alive();
+}
+
+bool record_available(const RecordObject* r, PyObject* cache) {
+  const int in_cache = PyDict_Contains(cache, reinterpret_cast<PyObject*>(const_cast<RecordObject*>(r)));
+  if (in_cache < 0) throw pybind11::error_already_set();
+  return in_cache != 0 || (!r->evicted && storage_alive(r));
+}
+
 PyTypeObject* record_base_type() { return &g_type; }
 
 void bind_record(pybind11::module_& m) {  // bindings.cpp calls it

@@ -69,6 +69,29 @@ void set_native_sref(RecordObject* r, const StorageRef& ref);
 // The record's storage reference, either form; null when it has none (sref is None).
 const StorageRef* storage_ref_of(const RecordObject* r);
 
+// Whether the record's storage is alive (its StorageRef, either form, not expired).
+bool storage_alive(const RecordObject* r);
+// Residency.is_available: in `cache` (the runtime's recompute cache, a dict keyed by record) or
+// its value in its own live storage. Throws pybind11::error_already_set if the lookup fails.
+bool record_available(const RecordObject* r, PyObject* cache);
+
+// In the arena, not released, and held by nothing that forbids releasing it (a running op's lock,
+// a pending recompute's wait, a pin): what every release candidate is (pressure.py's _candidates).
+inline bool unheld_in_arena(const RecordObject* r) {
+  return r->in_arena && !r->evicted && r->locks == 0 && r->waits == 0 && r->pins == 0;
+}
+
+// f(child) for each live record among r's children: borrowed, alive while the caller holds the
+// GIL and runs no Python that could drop them.
+template <class F>
+void for_each_live_child(const RecordObject* r, F&& f) {
+  if (r->children == nullptr || !PyList_Check(r->children)) return;
+  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->children); ++i) {
+    PyObject* c = PyWeakref_GetObject(PyList_GET_ITEM(r->children, i));
+    if (c != Py_None) f(reinterpret_cast<RecordObject*>(c));
+  }
+}
+
 inline RecordObject* as_record(PyObject* o) {
   return PyObject_TypeCheck(o, record_base_type()) ? reinterpret_cast<RecordObject*>(o) : nullptr;
 }

@@ -25,26 +25,6 @@ constexpr int kReaderDepth = 8;    // records.py: next_use follows evicted reade
 
 bool is_none(PyObject* o) { return o == nullptr || o == Py_None; }
 
-// Residency.is_available: in the cache, or its value in its own live storage.
-bool is_available(const RecordObject* r, PyObject* cache) {
-  const int in_cache = PyDict_Contains(cache, reinterpret_cast<PyObject*>(const_cast<RecordObject*>(r)));
-  if (in_cache < 0) throw py::error_already_set();
-  if (in_cache) return true;
-  const StorageRef* s = storage_ref_of(r);
-  return s != nullptr && !r->evicted && s->alive();
-}
-
-// The live records among r's children (borrowed: the weakrefs' targets, alive while we hold the GIL
-// and call nothing that could drop them).
-template <class F>
-void each_child(const RecordObject* r, F&& f) {
-  if (r->children == nullptr || !PyList_Check(r->children)) return;
-  for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->children); ++i) {
-    PyObject* c = PyWeakref_GetObject(PyList_GET_ITEM(r->children, i));
-    if (c != Py_None) f(reinterpret_cast<RecordObject*>(c));
-  }
-}
-
 class Scorer {
  public:
   explicit Scorer(const ScanInputs& in) : in_(in) {}
@@ -105,7 +85,7 @@ class Scorer {
     inputs_.clear();
     if (!is_none(r->recipe)) append_input_records(r->recipe, inputs_);
     for (PyObject* p : inputs_) ids_.push_back(reinterpret_cast<RecordObject*>(p)->id);
-    each_child(r, [&](RecordObject* c) { ids_.push_back(c->id); });
+    for_each_live_child(r, [&](RecordObject* c) { ids_.push_back(c->id); });
     return in_.neighbourhood->neighbour_cost(ids_.data(), ids_.size());
   }
 
@@ -118,7 +98,7 @@ class Scorer {
     while (!stack_.empty() && seen_.size() < kAncestorWalk) {
       RecordObject* a = reinterpret_cast<RecordObject*>(stack_.back());
       stack_.pop_back();
-      if (std::find(seen_.begin(), seen_.end(), a->id) != seen_.end() || is_available(a, in_.cache)) continue;
+      if (std::find(seen_.begin(), seen_.end(), a->id) != seen_.end() || record_available(a, in_.cache)) continue;
       seen_.push_back(a->id);
       if (!is_none(a->host)) {  // comes back by a copy; its own ancestors are not needed
         total += static_cast<double>(a->nbytes) / in_.link_bandwidth;
@@ -134,7 +114,7 @@ class Scorer {
   double next_use(RecordObject* r, int depth) {
     double d = in_.plan->seconds_to_next_use(r);
     if (d < 0 || depth == 0) return d;
-    each_child(r, [&](RecordObject* c) {
+    for_each_live_child(r, [&](RecordObject* c) {
       if (!c->evicted || !is_none(c->host)) return;
       const double dc = next_use(c, depth - 1);
       if (dc >= 0 && dc < d) d = dc;
@@ -183,17 +163,13 @@ py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_
       best_score = s;
     }
   };
-  auto alive = [](const RecordObject* r) {  // fetched each time: Python reading r.sref replaces it
-    const StorageRef* s = storage_ref_of(r);
-    return s != nullptr && s->alive();
-  };
   PyObject *key, *value;
   Py_ssize_t pos = 0;
   const Py_ssize_t size = PyDict_Size(table.ptr());
   while (PyDict_Next(table.ptr(), &pos, &key, &value)) {
     RecordObject* r = as_record(value);
     if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
-    if (r->evicted || r->locks != 0 || !r->in_arena || r->pins != 0 || r->waits != 0) continue;
+    if (!unheld_in_arena(r)) continue;
     if (!has_recipe(r)) {
       if (leaf_ok.is_none()) continue;
       // Called before the liveness test, as the Python loop does (it sets the leaf's cost).
@@ -203,7 +179,7 @@ py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_
         throw std::runtime_error("pymem: the record table changed size during the release scan");
       if (!ok) continue;
     }
-    if (!alive(r)) continue;
+    if (!storage_alive(r)) continue;  // after leaf_ok: Python reading r.sref replaces its reference
     consider(value);
   }
   pos = 0;
@@ -251,11 +227,8 @@ py::dict mark_window_owners(Arena& arena, py::dict table, const ScanInputs& in, 
   std::vector<std::pair<py::object, uintptr_t>> candidates;
   for (const py::object& o : table_records) {
     RecordObject* r = as_record(o.ptr());
-    if (r->evicted || r->locks != 0 || !r->in_arena || r->pins != 0 || r->waits != 0) continue;
-    if (!has_recipe(r) && !leaf_may_go(o.ptr())) continue;
-    const StorageRef* s = storage_ref_of(r);
-    if (s == nullptr || !s->alive()) continue;
-    candidates.emplace_back(o, s->data_ptr());
+    if (!unheld_in_arena(r) || (!has_recipe(r) && !leaf_may_go(o.ptr())) || !storage_alive(r)) continue;
+    candidates.emplace_back(o, data_ptr(r));
   }
   for (auto& [o, addr] : cached) {
     RecordObject* r = as_record(o.ptr());

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <unordered_set>
 #include <vector>
 
 namespace py = pybind11;
@@ -19,11 +20,6 @@ RecordObject* record_of(PyObject* value) {
   RecordObject* r = as_record(value);
   if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
   return r;
-}
-
-bool storage_alive(const RecordObject* r) {
-  const StorageRef* ref = storage_ref_of(r);
-  return ref != nullptr && ref->alive();
 }
 
 bool has_live_child(const RecordObject* r) {
@@ -43,39 +39,26 @@ void prune_children(RecordObject* r) {
   Py_SETREF(r->children, live.release().ptr());
 }
 
-bool available(const RecordObject* r, PyObject* cache) {  // Residency.is_available
-  const int in_cache = PyDict_Contains(cache, reinterpret_cast<PyObject*>(const_cast<RecordObject*>(r)));
-  if (in_cache < 0) throw py::error_already_set();
-  if (in_cache) return true;
-  const StorageRef* s = storage_ref_of(r);
-  return s != nullptr && !r->evicted && s->alive();
-}
-
 // remat.release_orphaned_leaf's walk, without its effects: whether dropping the recipes that read
 // `leaf` would cost no recompute (no dependent evicted, waited on or cached) and pin no more bytes
 // than the leaf frees. A no here is that function's no; a yes, Python walks again and acts.
 bool orphan_release_may_pay(const RecordObject* leaf, PyObject* cache) {
   int64_t room = leaf->nbytes;
-  std::vector<int64_t> seen;
-  std::vector<PyObject*> stack;
+  std::unordered_set<int64_t> seen;  // a batch may have many readers: no linear search
+  std::vector<const RecordObject*> stack;
   auto push_children = [&](const RecordObject* r) {
-    if (r->children == nullptr || !PyList_Check(r->children)) return;
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(r->children); ++i) {
-      PyObject* c = PyWeakref_GetObject(PyList_GET_ITEM(r->children, i));
-      if (c != Py_None) stack.push_back(c);
-    }
+    for_each_live_child(r, [&](const RecordObject* c) { stack.push_back(c); });
   };
   push_children(leaf);
   while (!stack.empty()) {
-    const RecordObject* r = reinterpret_cast<RecordObject*>(stack.back());
+    const RecordObject* r = stack.back();
     stack.pop_back();
-    if (std::find(seen.begin(), seen.end(), r->id) != seen.end()) continue;
-    seen.push_back(r->id);
+    if (!seen.insert(r->id).second) continue;
     if (r->recipe != nullptr && r->recipe != Py_None) {
       const int in_cache = PyDict_Contains(cache, reinterpret_cast<PyObject*>(const_cast<RecordObject*>(r)));
       if (in_cache < 0) throw py::error_already_set();
       if (r->evicted || r->waits != 0 || in_cache) return false;
-      if (available(r, cache)) room -= r->nbytes;
+      if (storage_alive(r)) room -= r->nbytes;  // available: not evicted, not cached (both ruled out)
       if (room < 0) return false;
     }
     push_children(r);

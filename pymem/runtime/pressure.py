@@ -151,15 +151,25 @@ class PressureHandler:
             if r.recipe is not None and r.locks == 0 and (waiting or r.waits == 0):
                 yield r, sref
 
+    def _scan_state(self) -> tuple:
+        """What the release scan reads besides the table: (cache, now, plan, neighbourhood or None
+        where none is kept, host-link bandwidth)."""
+        rt = self.rt
+        res = rt.residency
+        return (rt.cache, rt.clock, res.plan, res.neighbourhood if res.uses_neighbourhood else None,
+                res.link_bandwidth)
+
+    def _leaf_ok(self):
+        """Residency.leaf_releasable where leaves may be released, else None (no leaf goes)."""
+        res = self.rt.residency
+        return res.leaf_releasable if res.offload_leaves else None
+
     def _lowest_scoring(self):
         """The candidate with the lowest score (the first of equal ones), or None."""
         rt = self.rt
         now = rt.clock
         if self.scan is not None:
-            res = rt.residency
-            return self.scan.lowest(rt.table, rt.cache, now, res.plan,
-                                    res.neighbourhood if res.uses_neighbourhood else None, res.link_bandwidth,
-                                    res.leaf_releasable if res.offload_leaves else None)
+            return self.scan.lowest(rt.table, *self._scan_state(), self._leaf_ok())
         evaluate = rt.policy.evaluate
         best, best_score = None, math.inf
         candidates = (r for r, _ in self._candidates())
@@ -177,10 +187,7 @@ class PressureHandler:
         policy scores in Python."""
         if self.scan is None:
             return None
-        rt = self.rt
-        res = rt.residency
-        return self.scan.scores(records, rt.cache, rt.clock, res.plan,
-                                res.neighbourhood if res.uses_neighbourhood else None, res.link_bandwidth)
+        return self.scan.scores(records, *self._scan_state())
 
     def _release_lowest(self) -> int:
         rt = self.rt
@@ -205,11 +212,7 @@ class PressureHandler:
         Returns {id: record} of the candidates."""
         rt = self.rt
         if self.window_scan is not None:
-            res = rt.residency
-            return self.window_scan.mark_window(rt.arena, rt.table, rt.cache, rt.clock, res.plan,
-                                                res.neighbourhood if res.uses_neighbourhood else None,
-                                                res.link_bandwidth, res.leaf_releasable if res.offload_leaves else None,
-                                                rt.lo, rt.hi)
+            return self.window_scan.mark_window(rt.arena, rt.table, *self._scan_state(), self._leaf_ok(), rt.lo, rt.hi)
         arena, now, cost = rt.arena, rt.clock, rt.policy.block_cost
         owners = {}
         for r in rt.table.values():  # owner 0: not releasable; resets the window
