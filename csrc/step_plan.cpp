@@ -1,12 +1,20 @@
 // step_plan.cpp — next uses from the last step (see step_plan.h).
 #include "step_plan.h"
 
+#include "plan_cover.h"
+
 #include <algorithm>
 #include <limits>
 
 namespace pymem {
 
-void StepPlan::build(const StepArrays& s) {
+void StepPlan::build(const StepArrays& s, Releases how, const StepArrays& learned_from, int64_t budget) {
+  index(s);
+  how_ = how;
+  set_releases(how == Releases::kCover ? cover_releases(s, budget) : learned(learned_from));
+}
+
+void StepPlan::index(const StepArrays& s) {
   const size_t n = s.op.size(), m = s.value_bytes.size();
   step_ = s;
   // Uses by value, by counting (positions come out ascending: ops are walked in order).
@@ -20,15 +28,20 @@ void StepPlan::build(const StepArrays& s) {
       uses_[static_cast<size_t>(fill[static_cast<size_t>(s.inputs[static_cast<size_t>(i)])]++)] = static_cast<int32_t>(k);
   before_.assign(n + 1, 0.0);
   for (size_t k = 0; k < n; ++k) before_[k + 1] = before_[k] + s.op_cost[k];
+}
+
+std::vector<std::pair<int32_t, int32_t>> StepPlan::learned(const StepArrays& from) const {
+  const StepArrays& s = step_;
+  const size_t n = s.op.size(), m = s.value_bytes.size();
   // Early releases, by position. A value that came back before its next use (a recompute read it)
   // is needed where the plan sees no use: not released early.
   std::vector<std::vector<int32_t>> back(m);
-  for (size_t i = 0; i < s.back_at.size(); ++i)
-    if (s.back_value[i] >= 0 && static_cast<size_t>(s.back_value[i]) < m)
-      back[static_cast<size_t>(s.back_value[i])].push_back(s.back_at[i]);
+  for (size_t i = 0; i < from.back_at.size(); ++i)
+    if (from.back_value[i] >= 0 && static_cast<size_t>(from.back_value[i]) < m)
+      back[static_cast<size_t>(from.back_value[i])].push_back(from.back_at[i]);
   std::vector<std::pair<int32_t, int32_t>> due;  // (position, value)
-  for (size_t i = 0; i < s.released_at.size(); ++i) {
-    const int32_t p = s.released_at[i], v = s.released_value[i];
+  for (size_t i = 0; i < from.released_at.size(); ++i) {
+    const int32_t p = from.released_at[i], v = from.released_value[i];
     if (v < 0 || static_cast<size_t>(v) >= m || !s.value_recomputable[static_cast<size_t>(v)]) continue;
     const auto first = uses_.begin() + use_start_[static_cast<size_t>(v)];
     const auto last = uses_.begin() + use_start_[static_cast<size_t>(v) + 1];
@@ -42,8 +55,16 @@ void StepPlan::build(const StepArrays& s) {
     if (std::any_of(b.begin(), b.end(), [&](int32_t at) { return p <= at && at < q; })) continue;
     if (u >= 0 && u < p && away - before_[static_cast<size_t>(u)] >= kLongStretch * before_[n]) due.emplace_back(u, v);
   }
+  return due;
+}
+
+void StepPlan::set_releases(std::vector<std::pair<int32_t, int32_t>> due) {
+  const size_t n = step_.op.size(), m = step_.value_bytes.size();
   std::sort(due.begin(), due.end());
   due.erase(std::unique(due.begin(), due.end()), due.end());
+  due.erase(std::remove_if(due.begin(), due.end(), [&](const auto& d) {
+              return d.first < 0 || static_cast<size_t>(d.first) >= n || d.second < 0 || static_cast<size_t>(d.second) >= m;
+            }), due.end());
   due_start_.assign(n + 1, 0);
   due_.clear();
   early_.assign(m, 0);

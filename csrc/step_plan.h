@@ -15,12 +15,18 @@
 //   before[k]                        planned seconds of the ops before position k (before[0] = 0)
 //   due_start[k] .. due_start[k+1]   indices into `due`: values to release right after op k
 //
-// Early release: a value the step before released (under pressure) at position p, and reads again
-// only a long stretch later (kLongStretch of the step), is released in this step right after its
-// last use before p (or its producer), where its memory would otherwise
-// sit unused until pressure came: memory is freed in the order the step stops needing it, and the
-// pressure handler (and compaction) has less to do. Nothing reads it between the two positions (the
-// plan says so while the step follows it), so releasing earlier recomputes nothing more.
+// Early release, two ways (`Releases`), both right after a value's last use before a gap in its
+// uses, where its memory would otherwise sit unused until pressure came, so memory is freed in the
+// order the step stops needing it and the pressure handler (and compaction) has less to do:
+//   kLearned: a value the step before released (under pressure, or early itself) at position p, and
+//     reads again only a long stretch later (kLongStretch of the step), is released after its last
+//     use before p. Nothing reads it between the two positions (the plan says so while the step
+//     follows it), so releasing earlier recomputes nothing more. It learns from the runtime's
+//     greedy choices, and keeps them.
+//   kCover: the values plan_cover.h picks from the step's live bytes and the budget, the cheapest
+//     cover of where the step overflows, whatever the greedy choices were.
+// A value the plan releases early may have evicted readers: kLearned leaves those to pressure
+// (it does not price the longer recompute), kCover priced them and releases them anyway.
 //
 // Invariants: built and read under the runtime's lock; a plan is immutable once built.
 #pragma once
@@ -36,8 +42,12 @@ namespace pymem {
 
 class StepPlan {
  public:
-  // The plan for a step like `s` (empty when s has no ops).
-  void build(const StepArrays& s);
+  enum class Releases { kLearned, kCover };
+  // The plan for a step like `s` (empty when s has no ops). kLearned learns from `learned_from`'s
+  // releases and comebacks (a step like s: s itself, or the last step that ran a kLearned plan);
+  // kCover covers `budget` bytes.
+  void build(const StepArrays& s, Releases how, const StepArrays& learned_from, int64_t budget);
+  Releases releases() const { return how_; }
   bool empty() const { return step_.op.empty(); }
   size_t size() const { return step_.op.size(); }  // ops in the planned step
 
@@ -62,6 +72,11 @@ class StepPlan {
   }
 
  private:
+  void index(const StepArrays& s);  // step_, uses, before
+  std::vector<std::pair<int32_t, int32_t>> learned(const StepArrays& from) const;
+  void set_releases(std::vector<std::pair<int32_t, int32_t>> due);  // (position, value) pairs
+
+  Releases how_ = Releases::kLearned;
   StepArrays step_;  // the step planned from (a copy)
   std::vector<int64_t> use_start_;
   std::vector<int32_t> uses_;

@@ -1,11 +1,14 @@
 // step_trace.cpp — the step trace's arrays (see step_trace.h).
 #include "step_trace.h"
 
+#include "plan_cover.h"
 #include "record.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <unordered_map>
@@ -27,6 +30,29 @@ OpCodes& op_codes() {  // under the GIL
 template <class T>
 py::array_t<T> as_array(const std::vector<T>& v) {
   return py::array_t<T>(static_cast<py::ssize_t>(v.size()), v.data());  // a copy
+}
+
+// A step given from outside (cover_releases): its arrays must index each other.
+void check_step(const StepArrays& s) {
+  const size_t n = s.op.size(), m = s.value_bytes.size();
+  const auto bad = [](const std::string& what) { throw py::value_error("pymem: bad step arrays: " + what); };
+  if (s.op_cost.size() != n || s.inputs_start.size() != n + 1 || s.outputs_start.size() != n + 1)
+    bad("op_cost needs one entry per op, inputs_start and outputs_start one more");
+  if (s.value_producer.size() != m || s.value_recomputable.size() != m)
+    bad("value_producer and value_recomputable need one entry per value (value_bytes)");
+  const auto starts_ok = [](const std::vector<int64_t>& start, size_t len) {
+    if (start.front() != 0 || static_cast<size_t>(start.back()) != len) return false;
+    return std::is_sorted(start.begin(), start.end());
+  };
+  if (!starts_ok(s.inputs_start, s.inputs.size()) || !starts_ok(s.outputs_start, s.outputs.size()))
+    bad("inputs_start / outputs_start must rise from 0 to the length of inputs / outputs");
+  const auto in_range = [&](int32_t v) { return v >= 0 && static_cast<size_t>(v) < m; };
+  if (!std::all_of(s.inputs.begin(), s.inputs.end(), in_range) || !std::all_of(s.outputs.begin(), s.outputs.end(), in_range))
+    bad("inputs and outputs must be value indices (0 .. len(value_bytes) - 1)");
+  for (int32_t p : s.value_producer)
+    if (p < -1 || (p >= 0 && static_cast<size_t>(p) >= n)) bad("value_producer must be an op position or -1");
+  if (!std::all_of(s.value_bytes.begin(), s.value_bytes.end(), [](int64_t b) { return b >= 0; }))
+    bad("value_bytes must not be negative");
 }
 
 py::dict as_dict(const StepArrays& s) {
@@ -138,8 +164,35 @@ void StepTrace::end_step() {
   ++num_steps_;
   watched_.clear();
   due_.clear();
-  if (planning_) plan_.build(last_);
+  if (planning_) plan_next();
   following_ = planning_ && !plan_.empty();
+  planned_step_ = following_;
+}
+
+void StepTrace::plan_next() {
+  using R = StepPlan::Releases;
+  const bool followed = planned_step_ && following_;  // the whole step ran the plan
+  const R ran = plan_.releases();
+  if (followed) {
+    cost_sum_[static_cast<int>(ran)] += comeback_cost(last_);
+    ++cost_steps_[static_cast<int>(ran)];
+    if (ran == R::kCover) ++num_cover_steps_;
+  } else {  // a new program (or the first step): nothing measured holds
+    cost_sum_[0] = cost_sum_[1] = 0;
+    cost_steps_[0] = cost_steps_[1] = 0;
+  }
+  if (!followed || ran == R::kLearned) {  // what kLearned learns from: the greedy's, or its own
+    learned_from_.released_at = last_.released_at;
+    learned_from_.released_value = last_.released_value;
+    learned_from_.back_at = last_.back_at;
+    learned_from_.back_value = last_.back_value;
+  }
+  const auto mean = [&](R r) { return cost_sum_[static_cast<int>(r)] / static_cast<double>(cost_steps_[static_cast<int>(r)]); };
+  R how = R::kLearned;
+  if (budget_ > 0 && cost_steps_[static_cast<int>(R::kLearned)] >= kTrialSteps)
+    how = cost_steps_[static_cast<int>(R::kCover)] < kTrialSteps || mean(R::kCover) <= mean(R::kLearned) * kCoverTolerance
+              ? R::kCover : R::kLearned;
+  plan_.build(last_, how, learned_from_, budget_);
 }
 
 void StepTrace::set_planning(bool on) {
@@ -210,6 +263,17 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
                     "Whether each step is planned from the one before (csrc/step_plan.h).")
       .def_property_readonly("following", &StepTrace::following, "The step so far is its plan's.")
       .def_property_readonly("num_divergences", &StepTrace::num_divergences, "Steps that left their plan.")
+      .def_property_readonly("num_cover_steps", &StepTrace::num_cover_steps, "Steps that followed a cover plan whole.")
+      .def_property("budget", &StepTrace::budget, &StepTrace::set_budget,
+                    "Bytes the step's values may occupy, for plans that cover it (0: none).")
+      .def_property_readonly(
+          "plan_releases",
+          [](const StepTrace& t) -> py::object {
+            if (!t.following()) return py::none();
+            return py::str(t.plan_releases() == StepPlan::Releases::kCover ? "cover" : "learned");
+          },
+          "How the plan being followed releases early: 'learned' (from the runtime's releases), 'cover' "
+          "(the cheapest cover of where the step overflows its budget); None when not following a plan.")
       .def(
           "seconds_to_next_use",
           [](const StepTrace& t, py::handle record) -> py::object {
@@ -230,6 +294,26 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           "The step position of the op that next reads the record's value (inf: none in this step); None: unknown.")
       .def("last_step", [](const StepTrace& t) { return as_dict(t.last()); },
            "The last complete step's arrays (copies; see csrc/step_trace.h for their meaning).");
+  m.def(
+      "cover_releases",
+      [](py::dict step, int64_t budget) {
+        StepArrays s;
+        const auto get = [&](const char* key, auto& out) { out = py::cast<std::remove_reference_t<decltype(out)>>(step[key]); };
+        get("op", s.op);
+        get("op_cost", s.op_cost);
+        get("inputs_start", s.inputs_start);
+        get("inputs", s.inputs);
+        get("outputs_start", s.outputs_start);
+        get("outputs", s.outputs);
+        get("value_bytes", s.value_bytes);
+        get("value_producer", s.value_producer);
+        get("value_recomputable", s.value_recomputable);
+        check_step(s);
+        return cover_releases(s, budget);
+      },
+      py::arg("step"), py::arg("budget"),
+      "The releases csrc/plan_cover.h picks for a step (a dict as last_step() gives) under `budget` bytes: "
+      "(position, value) pairs, the value released right after the op at that position.");
   m.def("op_code", &op_code, py::arg("name"), "The process-wide code of an op (its str(OpOverload)).");
   m.def("op_name", &op_name, py::arg("code"));
 }

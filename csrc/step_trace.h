@@ -41,6 +41,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -64,12 +65,18 @@ class StepTrace {
   void set_planning(bool on);
   bool following() const { return following_; }       // the step so far is the plan's
   int64_t num_divergences() const { return num_divergences_; }  // steps that left their plan
+  int64_t num_cover_steps() const { return num_cover_steps_; }  // steps that followed a cover plan whole
   // Planned seconds until r's value is next read in this step (+infinity: not again in this step);
   // negative when the plan cannot say (not following, or r's value not seen in this step).
   double seconds_to_next_use(const RecordObject* r) const;
   // The position in the step of that next read (the plan's length: none); negative when unknown.
   // Fixed while r's value is away (nothing reads it then), so it orders copies back (swap.py).
   int64_t next_use_at(const RecordObject* r) const;
+  // The bytes the step's values may occupy (the arena's budget), for plans that cover it; 0: none.
+  int64_t budget() const { return budget_; }
+  void set_budget(int64_t bytes) { budget_ = bytes; }
+  // How the plan being followed releases early (step_plan.h); meaningful while following().
+  StepPlan::Releases plan_releases() const { return plan_.releases(); }
   int64_t planned_ops() const { return static_cast<int64_t>(plan_.size()); }  // the plan's step length
   // While planning: r's value leaves memory now (the plan of the next step releases it early).
   void note_release(const RecordObject* r) { note(r, current_.released_at, current_.released_value); }
@@ -93,11 +100,25 @@ class StepTrace {
   // the plan releases that value early.
   int32_t new_value(RecordObject* r, int32_t producer);
   void note(const RecordObject* r, std::vector<int32_t>& at, std::vector<int32_t>& value);
+  void plan_next();  // end_step's choice of how to plan the next step, and its plan
   StepArrays current_, last_;
   StepPlan plan_;
+  // Each way of planning is measured on the steps that followed it whole (comeback_cost, the work
+  // of bringing values back; the mean over those steps since the program last changed, as the
+  // runtime's state makes one step differ from the next); the next step takes the cheaper, the
+  // cover on a tie within kCoverTolerance (it frees memory in order: less compaction). Each way is
+  // first tried for kTrialSteps steps: learned, then cover.
+  static constexpr double kCoverTolerance = 1.05;
+  static constexpr int64_t kTrialSteps = 2;
+  int64_t budget_ = 0;
+  double cost_sum_[2] = {0, 0};  // per StepPlan::Releases: summed over cost_steps_
+  int64_t cost_steps_[2] = {0, 0};
+  bool planned_step_ = false;  // the current step started with a plan to follow
+  StepArrays learned_from_;   // releases and comebacks of the last step no cover planned
   bool planning_ = false;
   bool following_ = false;
   int64_t num_divergences_ = 0;
+  int64_t num_cover_steps_ = 0;
   std::unordered_map<int32_t, pybind11::object> watched_;  // value -> weakref to its record, this step
   std::vector<int32_t> due_;  // values due for release after the op just booked
   int64_t num_steps_ = 0;

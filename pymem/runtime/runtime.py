@@ -190,6 +190,9 @@ class Runtime(_C.RuntimeBase):
         if conf.plan == "auto":
             self.trace.planning = True
             self.residency.plan = self.trace
+            # The plan may cover the budget from the step's live bytes (csrc/plan_cover.h); it prices
+            # recomputes only, so not where values are offloaded.
+            self.trace.budget = budget if self.swap is None else 0
         self.lock = _C.RuntimeLock()  # threading.RLock's contract; the fast path takes it without a call
         self.threads = ThreadCoverage(self, self.interception)
         self.raw_access = RawAccess(self)
@@ -599,9 +602,12 @@ class Runtime(_C.RuntimeBase):
         """The step plan releases values after the op just booked (csrc/step_plan.h: the values the
         step before released under pressure, now right after their last use before that). Under the
         lock, as run_op."""
+        # A learned plan does not price a longer recompute for evicted readers; a cover did.
+        chains = self.trace.plan_releases == "cover"
         for r in self.trace.take_due():
             if r.recipe is not None and r.locks == 0 and r.waits == 0 and not r.pins and r.in_arena and \
-                    self.residency.is_available(r) and r not in self.cache and next(r.evicted_readers(), None) is None:
+                    self.residency.is_available(r) and r not in self.cache and \
+                    (chains or next(r.evicted_readers(), None) is None):
                 self.residency.release(r)
                 self.num_planned_releases += 1
 
@@ -744,6 +750,7 @@ class Runtime(_C.RuntimeBase):
             "plan_hits": self.pressure.num_planned,
             "num_planned_releases": self.num_planned_releases,
             "plan_divergences": self.trace.num_divergences,
+            "plan_cover_steps": self.trace.num_cover_steps,
             "num_records": len(self.table),
             "num_pinned_storages": sum(1 for r in self.table.values() if r.pins),
             "num_managed_threads": len(self.threads.managed),

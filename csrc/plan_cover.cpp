@@ -1,0 +1,202 @@
+// plan_cover.cpp — the overflow cover (see plan_cover.h).
+#include "plan_cover.h"
+
+#include "types.h"
+
+#include <algorithm>
+#include <queue>
+
+namespace pymem {
+namespace {
+
+constexpr double kNever = 1e30;  // the cost of needing a value that cannot come back
+constexpr double kMinCost = 1e-9;
+
+// Value -> ascending int32 list, in one array (CSR).
+struct Lists {
+  std::vector<int64_t> start;
+  std::vector<int32_t> items;
+  const int32_t* begin(size_t v) const { return items.data() + start[v]; }
+  const int32_t* end(size_t v) const { return items.data() + start[v + 1]; }
+};
+
+template <class Each>
+Lists lists_of(size_t m, Each each) {  // each(emit): emit(v, item) for every pair, items ascending per v
+  Lists l;
+  l.start.assign(m + 1, 0);
+  each([&](int32_t v, int32_t) { ++l.start[static_cast<size_t>(v) + 1]; });
+  for (size_t v = 0; v < m; ++v) l.start[v + 1] += l.start[v];
+  l.items.resize(static_cast<size_t>(l.start[m]));
+  std::vector<int64_t> fill(l.start.begin(), l.start.end() - 1);
+  each([&](int32_t v, int32_t x) { l.items[static_cast<size_t>(fill[static_cast<size_t>(v)]++)] = x; });
+  return l;
+}
+
+struct Candidate {
+  int32_t value, after, until;  // away after op `after`, back for op `until`
+};
+
+class Cover {
+ public:
+  Cover(const StepArrays& s, int64_t budget) : s_(s), n_(s.op.size()), m_(s.value_bytes.size()) {
+    uses_ = lists_of(m_, [&](auto emit) {
+      for (size_t k = 0; k < n_; ++k)
+        for (int64_t i = s.inputs_start[k]; i < s.inputs_start[k + 1]; ++i) emit(s.inputs[static_cast<size_t>(i)], static_cast<int32_t>(k));
+    });
+    // A value's inputs: its producer's (itself left out: an in-place op reads what it writes).
+    inputs_ = lists_of(m_, [&](auto emit) {
+      for (size_t v = 0; v < m_; ++v) {
+        const int32_t p = s.value_producer[v];
+        if (p < 0) continue;
+        const int32_t* first = s.inputs.data() + s.inputs_start[static_cast<size_t>(p)];
+        const int32_t* last = s.inputs.data() + s.inputs_start[static_cast<size_t>(p) + 1];
+        for (const int32_t* w = first; w != last; ++w)
+          if (*w != static_cast<int32_t>(v) && std::find(first, w, *w) == w) emit(static_cast<int32_t>(v), *w);
+      }
+    });
+    readers_ = lists_of(m_, [&](auto emit) {
+      for (size_t v = 0; v < m_; ++v)
+        for (const int32_t* w = inputs_.begin(v); w != inputs_.end(v); ++w) emit(*w, static_cast<int32_t>(v));
+    });
+    size_.resize(m_);
+    last_.assign(m_, -1);
+    std::vector<int64_t> delta(n_ + 1, 0);
+    for (size_t v = 0; v < m_; ++v) {
+      size_[v] = static_cast<int64_t>(align_up(static_cast<size_t>(s.value_bytes[v])));
+      if (uses_.begin(v) != uses_.end(v)) last_[v] = *(uses_.end(v) - 1);
+      const int32_t p = s.value_producer[v];
+      const size_t from = p < 0 ? 0 : static_cast<size_t>(p);
+      const size_t to = p < 0 ? n_ : static_cast<size_t>(std::max(last_[v], p)) + 1;
+      delta[from] += size_[v];
+      delta[to] -= size_[v];
+    }
+    over_.assign(n_, 0);
+    int64_t live = 0;
+    for (size_t k = 0; k < n_; ++k) {
+      live += delta[k];
+      over_[k] = std::max<int64_t>(live - budget, 0);
+      excess_ += over_[k];
+    }
+    away_.resize(m_);
+    seen_.assign(m_, 0);
+  }
+
+  std::vector<std::pair<int32_t, int32_t>> run() {
+    std::vector<std::pair<int32_t, int32_t>> due;
+    if (excess_ == 0) return due;
+    std::vector<Candidate> cands;
+    for (size_t v = 0; v < m_; ++v) {
+      const int32_t p = s_.value_producer[v];
+      if (p < 0 || !s_.value_recomputable[v]) continue;
+      int32_t prev = p;
+      for (const int32_t* u = uses_.begin(v); u != uses_.end(v); ++u) {
+        if (*u - prev >= 2) cands.push_back({static_cast<int32_t>(v), prev, *u});
+        prev = std::max(prev, *u);
+      }
+    }
+    using Entry = std::pair<double, size_t>;  // (an upper bound of the ratio, candidate)
+    std::priority_queue<Entry> queue;
+    for (size_t i = 0; i < cands.size(); ++i) {
+      const double r = ratio(cands[i]);
+      if (r > 0) queue.emplace(r, i);
+    }
+    while (excess_ > 0 && !queue.empty()) {
+      const size_t i = queue.top().second;
+      queue.pop();
+      const double r = ratio(cands[i]);
+      if (r <= 0) continue;
+      if (!queue.empty() && r < queue.top().first) {  // another may be better now: re-queue
+        queue.emplace(r, i);
+        continue;
+      }
+      take(cands[i]);
+      due.emplace_back(cands[i].after, cands[i].value);
+    }
+    return due;
+  }
+
+ private:
+  bool away_at(int32_t w, int32_t t) const {
+    const auto uw = static_cast<size_t>(w);
+    if (s_.value_producer[uw] < 0) return false;  // made before the step: kept (a leaf)
+    if (t > last_[uw]) return true;                // dead by then: a recompute that reads it makes it again
+    for (const auto& [a, b] : away_[uw])
+      if (a < t && t <= b) return true;
+    return false;
+  }
+
+  // The work of recomputing v for op t: its producer, and every input away then, once each.
+  double lineage(int32_t v, int32_t t) {
+    ++stamp_;
+    double total = 0;
+    std::vector<int32_t> stack{v};
+    seen_[static_cast<size_t>(v)] = stamp_;
+    while (!stack.empty()) {
+      const auto x = static_cast<size_t>(stack.back());
+      stack.pop_back();
+      if (!s_.value_recomputable[x]) return kNever;
+      total += s_.op_cost[static_cast<size_t>(s_.value_producer[x])];
+      for (const int32_t* w = inputs_.begin(x); w != inputs_.end(x); ++w) {
+        if (seen_[static_cast<size_t>(*w)] == stamp_ || !away_at(*w, t)) continue;
+        seen_[static_cast<size_t>(*w)] = stamp_;
+        stack.push_back(*w);
+      }
+    }
+    return total;
+  }
+
+  double ratio(const Candidate& c) {
+    const int64_t bytes = size_[static_cast<size_t>(c.value)];
+    double gain = 0;
+    for (int32_t k = c.after + 1; k < c.until; ++k) gain += static_cast<double>(std::min(bytes, over_[static_cast<size_t>(k)]));
+    if (gain <= 0) return 0;
+    double cost = lineage(c.value, c.until);
+    // Picks already made whose recompute falls in this gap read it then: they pay for it too.
+    const auto v = static_cast<size_t>(c.value);
+    for (const int32_t* x = readers_.begin(v); x != readers_.end(v) && cost < kNever; ++x)
+      for (const auto& [a, b] : away_[static_cast<size_t>(*x)])
+        if (c.after < b && b <= c.until) cost += lineage(c.value, b);
+    return cost >= kNever ? 0 : gain / std::max(cost, kMinCost);
+  }
+
+  void take(const Candidate& c) {
+    const int64_t bytes = size_[static_cast<size_t>(c.value)];
+    away_[static_cast<size_t>(c.value)].emplace_back(c.after, c.until);
+    for (int32_t k = c.after + 1; k < c.until; ++k) {
+      int64_t& o = over_[static_cast<size_t>(k)];
+      const int64_t cut = std::min(bytes, o);
+      o -= cut;
+      excess_ -= cut;
+    }
+  }
+
+  const StepArrays& s_;
+  const size_t n_, m_;
+  Lists uses_, inputs_, readers_;
+  std::vector<int64_t> size_;
+  std::vector<int32_t> last_;   // a value's last use (-1: none)
+  std::vector<int64_t> over_;   // bytes over the budget at each position, what the picks leave
+  int64_t excess_ = 0;          // their sum
+  std::vector<std::vector<std::pair<int32_t, int32_t>>> away_;  // the picks, by value
+  std::vector<uint32_t> seen_;  // lineage walks' marks
+  uint32_t stamp_ = 0;
+};
+
+}  // namespace
+
+std::vector<std::pair<int32_t, int32_t>> cover_releases(const StepArrays& s, int64_t budget) {
+  if (s.op.empty() || budget <= 0) return {};
+  return Cover(s, budget).run();
+}
+
+double comeback_cost(const StepArrays& s) {
+  double total = 0;
+  for (int32_t v : s.back_value)
+    if (v >= 0 && static_cast<size_t>(v) < s.value_producer.size()) {
+      const int32_t p = s.value_producer[static_cast<size_t>(v)];
+      if (p >= 0 && static_cast<size_t>(p) < s.op_cost.size()) total += s.op_cost[static_cast<size_t>(p)];
+    }
+  return total;
+}
+
+}  // namespace pymem

@@ -1,0 +1,89 @@
+"""The overflow cover (csrc/plan_cover.h): from a step's trace and the budget, the cheapest values
+to keep away where the step's live bytes overflow; and the step plan that tries it against the
+learned plan and keeps the cheaper (csrc/step_trace.h)."""
+import pytest
+import torch
+
+import pymem
+from pymem.cost_model import CostModel
+from bitwise_harness import assert_bitwise_equal, budget_at, measure_peak, run_managed, run_unmanaged
+
+torch.set_num_threads(2)
+
+FIXED = CostModel(3e10, 7e9, 4e-6)
+KB = 1024
+
+
+def _step(ops, before=1, nbytes=KB):
+    """A step's arrays: ``ops`` lists (cost, input values); op k makes one value, numbered after
+    the ``before`` values made before the step (0 .. before-1). Every value is ``nbytes``."""
+    s = {"op": [], "op_cost": [], "inputs_start": [0], "inputs": [], "outputs_start": [0], "outputs": [],
+         "value_bytes": [nbytes] * before, "value_producer": [-1] * before, "value_recomputable": [0] * before}
+    for k, (cost, ins) in enumerate(ops):
+        s["op"].append(k)
+        s["op_cost"].append(float(cost))
+        s["inputs"] += ins
+        s["inputs_start"].append(len(s["inputs"]))
+        s["outputs"].append(before + k)
+        s["outputs_start"].append(len(s["outputs"]))
+        s["value_bytes"].append(nbytes)
+        s["value_producer"].append(k)
+        s["value_recomputable"].append(1)
+    return s
+
+
+def test_the_cover_keeps_the_cheapest_value_away_where_the_step_overflows():
+    # x (0) before the step; a = f(x) (1), b = g(a) (2), c = h(b) (3), d = k(c) (4), e = m(a, b, d) (5).
+    # Live at op 3: x, a, b, c, d (5 KB); a budget of 4 KB needs a or b away across op 3.
+    s = _step([(1, [0]), (10, [1]), (1, [2]), (1, [3]), (1, [1, 2, 4])])
+    assert pymem._C.cover_releases(s, 4 * KB) == [(1, 1)]  # a (cost 1), not b (10), after its read by op 1
+    assert pymem._C.cover_releases(s, 5 * KB) == []         # never over
+
+
+def test_the_cover_prices_the_inputs_a_recompute_must_redo():
+    # w = f(x) (1) is read once; a = g(w) (2); b = h(a) (3, cost 3); c = k(x) (4); r = m(a, b, c) (5).
+    # Live at op 3: x, a, b, c (w is dead); under 3 KB, a or b is away from op 2 to op 4, and
+    # recomputing a for op 4 redoes w too.
+    def step(w_cost):
+        return _step([(w_cost, [0]), (1, [1]), (3, [2]), (1, [0]), (1, [2, 3, 4])])
+
+    assert pymem._C.cover_releases(step(1), 3 * KB) == [(2, 2)]  # a: 1 + w's 1 < b's 3
+    assert pymem._C.cover_releases(step(5), 3 * KB) == [(2, 3)]  # b: 3 < a's 1 + w's 5
+
+
+def test_bad_step_arrays_are_a_clear_error():
+    s = _step([(1, [0]), (1, [1])])
+    s["inputs"][0] = 7
+    with pytest.raises(ValueError, match=r"bad step arrays: inputs and outputs must be value indices"):
+        pymem._C.cover_releases(s, KB)
+    s = _step([(1, [0])])
+    s["op_cost"].append(1.0)
+    with pytest.raises(ValueError, match=r"bad step arrays: op_cost needs one entry per op"):
+        pymem._C.cover_releases(s, KB)
+
+
+def test_a_cover_plan_trains_bitwise_equal_in_budget_and_repeats(managed):
+    """Two trial steps of the learned plan, two of the cover, then the cheaper: the cover's values
+    are released at their last forward use (with evicted readers, which it priced) and recomputed
+    in backward bitwise; with fixed costs two runs decide alike."""
+    import runtime_models as rm
+
+    steps = 8
+    ref_out, ref_state, _ = run_unmanaged(lambda: rm.trainer("gpt"), steps)
+    budget = budget_at(measure_peak(lambda: rm.trainer("gpt"), steps), 0.5)
+    runs = [run_managed(lambda: rm.trainer("gpt"), steps, budget, cost=FIXED, plan="auto") for _ in range(2)]
+    for out, state, stats, _, _ in runs:
+        assert_bitwise_equal("losses", ref_out, out)
+        assert_bitwise_equal("parameters", ref_state, state)
+        assert stats["allocated_bytes.peak"] <= budget
+        assert stats["plan_cover_steps"] >= 2 and stats["num_planned_releases"] > 0, stats
+    keys = ("num_evictions", "num_rematerializations", "num_planned_releases", "plan_cover_steps", "moved_bytes")
+    assert [runs[0][2][k] for k in keys] == [runs[1][2][k] for k in keys]
+
+
+def test_offloading_keeps_the_learned_plan(managed):
+    rt = pymem.enable(budget="64MB", device="cpu", cost=FIXED, plan="auto", offload="always")
+    assert rt.trace.budget == 0  # the cover prices recomputes only
+    pymem.disable()
+    rt = pymem.enable(budget="64MB", device="cpu", cost=FIXED, plan="auto")
+    assert rt.trace.budget == rt.budget > 0
