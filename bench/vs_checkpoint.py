@@ -1,6 +1,6 @@
 """pymem against hand-placed checkpointing at equal memory, with the step plan on and off (issue 13).
 
-    python bench/vs_checkpoint.py [--models transformer,deep,cnn] [--steps 3] [--warmup 3]
+    python bench/vs_checkpoint.py [--models transformer,deep,cnn] [--steps 3] [--warmup 3] [--plan-warmup 5]
                                   [--ratios 0.5,0.3,0.2] [--json FILE] [--plot FILE.png] [--quick]
 
 For each model, in one process:
@@ -12,11 +12,14 @@ For each model, in one process:
   2. timed blocks (warmup steps, then --steps timed steps; median step time), each between two
      unmanaged blocks: checkpointing, selective checkpointing, and pymem (plan "off" and "auto") at
      the checkpointed peak, at the selective peak, and at each --ratios share of the unmanaged peak.
-     The plan needs two finished steps to follow one, so --warmup is at least 3.
+     pymem's blocks warm up for --plan-warmup steps: the plan needs two finished steps to follow one,
+     then tries its two ways of releasing early for two steps each (csrc/step_trace.h) and keeps the
+     cheaper from the sixth step on.
 slowdown = median step / mean of the unmanaged medians just before and after. For pymem also the
 recompute seconds per step (`remat_seconds`, measured), evictions and compaction bytes moved per
-step, and plan_hits; forward_s is the unmanaged forward pass (autograd on), the unit of "recompute
-at most half a forward". A budget pymem cannot meet (OutOfBudgetError) is reported infeasible.
+timed step, plan_hits, and plan_cover_steps (steps that followed the cover plan, trials included);
+forward_s is the unmanaged forward pass (autograd on), the unit of "recompute at most half a
+forward". A budget pymem cannot meet (OutOfBudgetError) is reported infeasible.
 
 Targets (issue 13): at the checkpoint-every-block peak, pymem's slowdown <= 0.9x checkpointing's and
 its recompute per step <= half a forward; at 0.5 of the unmanaged peak <= 1.10x; at 0.3 <= 1.25x;
@@ -129,9 +132,13 @@ def peak_of(name, mode, quick, steps):
     return peak
 
 
-def timed(step, warmup, steps, show):
+def timed(step, warmup, steps, show, at_start=None):
+    """The median of ``steps`` timed steps after ``warmup`` ones; ``at_start()`` before the first
+    timed step."""
     times = []
     for i in range(warmup + steps):
+        if i == warmup and at_start is not None:
+            at_start()
         t0 = time.perf_counter()
         step()
         if i >= warmup:
@@ -192,8 +199,11 @@ def bench_model(name, a, bar):
             pymem.enable(budget, device="cpu", plan=plan)
             try:
                 step = make(name, "plain", a.quick, [])
-                median = timed(step, a.warmup, a.steps, bar)
-                s = pymem.memory_stats()
+                start = []
+                median = timed(step, a.plan_warmup, a.steps, bar, lambda: start.append(pymem.memory_stats()))
+                end = pymem.memory_stats()
+                s = {k: end[k] - start[0][k] for k in ("remat_seconds", "num_evictions", "moved_bytes", "plan_hits")}
+                s.update({k: end[k] for k in ("allocated_bytes.peak", "plan_divergences", "plan_cover_steps")})
             except pymem.OutOfBudgetError as e:
                 sys.stderr.write("\n")
                 entry.update(feasible=False, error=str(e)[:200])
@@ -203,11 +213,11 @@ def bench_model(name, a, bar):
                 pymem.disable()
                 step = None
                 gc.collect()
-            n = a.warmup + a.steps
+            n = a.steps  # the timed steps'
             entry.update(feasible=True, managed_peak_bytes=s["allocated_bytes.peak"],
                          remat_seconds_per_step=s["remat_seconds"] / n, evictions_per_step=s["num_evictions"] / n,
-                         moved_bytes_per_step=s.get("moved_bytes", 0) / n, plan_hits=s["plan_hits"],
-                         plan_divergences=s["plan_divergences"])
+                         moved_bytes_per_step=s["moved_bytes"] / n, plan_hits=s["plan_hits"],
+                         plan_divergences=s["plan_divergences"], plan_cover_steps=s["plan_cover_steps"])
             bracket(entry, median)
     return {"peaks": peaks, "forward_s": forward[0], "unmanaged_step_s": base, "runs": runs}
 
@@ -215,7 +225,7 @@ def bench_model(name, a, bar):
 def report(name, d):
     print(f"\n{name}: unmanaged peak {d['peaks']['plain'] / MiB:.1f} MiB, step {statistics.median(d['unmanaged_step_s']):.3f} s,"
           f" forward {d['forward_s']:.3f} s")
-    print(f"  {'config':<18} {'budget':<20} {'peak':>6} {'slowdown':>9} {'remat/step':>11} {'moved/step':>11} {'hits':>5}")
+    print(f"  {'config':<18} {'budget':<20} {'peak':>6} {'slowdown':>9} {'remat/step':>11} {'moved/step':>11} {'hits':>5} {'cover':>5}")
     for r in d["runs"]:
         if r.get("feasible") is False:
             print(f"  {r['config']:<18} {r.get('budget', ''):<20} {r['peak_share']:>6.2f} {'infeasible':>9}")
@@ -223,7 +233,7 @@ def report(name, d):
         remat = f"{r['remat_seconds_per_step']:.3f} s" if "remat_seconds_per_step" in r else "-"
         moved = f"{r['moved_bytes_per_step'] / MiB:.1f} MiB" if "moved_bytes_per_step" in r else "-"
         print(f"  {r['config']:<18} {r.get('budget', ''):<20} {r['peak_share']:>6.2f} {r['slowdown']:>8.2f}x "
-              f"{remat:>11} {moved:>11} {r.get('plan_hits', ''):>5}")
+              f"{remat:>11} {moved:>11} {r.get('plan_hits', ''):>5} {r.get('plan_cover_steps', ''):>5}")
 
 
 def plot(results, path):
@@ -252,14 +262,15 @@ def main():
     ap.add_argument("--ratios", default="0.5,0.3,0.2")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--plan-warmup", type=int, default=5, help="warm-up steps of pymem's blocks")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="half the batch")
     ap.add_argument("--json")
     ap.add_argument("--plot")
     a = ap.parse_args()
     a.ratios = [float(r) for r in a.ratios.split(",") if r]
-    if a.warmup < 3:
-        ap.error("--warmup must be at least 3: the plan follows from the third step")
+    if a.plan_warmup < 3:
+        ap.error("--plan-warmup must be at least 3: the plan follows from the third step")
     models = [m for m in a.models.split(",") if m]
     unknown = [m for m in models if m not in MODELS]
     if unknown:

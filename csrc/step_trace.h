@@ -41,7 +41,6 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
-#include <limits>
 #include <string>
 #include <unordered_map>
 #include <vector>
