@@ -172,13 +172,14 @@ void StepTrace::plan_next() {
   using R = StepPlan::Releases;
   const bool followed = planned_step_ && following_;  // the whole step ran the plan
   const R ran = plan_.releases();
+  const auto at = [](R r) { return static_cast<int>(r); };
   if (followed) {
-    cost_sum_[static_cast<int>(ran)] += comeback_cost(last_);
-    ++cost_steps_[static_cast<int>(ran)];
+    latest_cost_[at(ran)] = comeback_cost(last_);
+    ++measured_steps_[at(ran)];
     if (ran == R::kCover) ++num_cover_steps_;
   } else {  // a new program (or the first step): nothing measured holds
-    cost_sum_[0] = cost_sum_[1] = 0;
-    cost_steps_[0] = cost_steps_[1] = 0;
+    measured_steps_[0] = measured_steps_[1] = 0;
+    streak_ = 0;
   }
   if (!followed || ran == R::kLearned) {  // what kLearned learns from: the greedy's, or its own
     learned_from_.released_at = last_.released_at;
@@ -186,11 +187,17 @@ void StepTrace::plan_next() {
     learned_from_.back_at = last_.back_at;
     learned_from_.back_value = last_.back_value;
   }
-  const auto mean = [&](R r) { return cost_sum_[static_cast<int>(r)] / static_cast<double>(cost_steps_[static_cast<int>(r)]); };
   R how = R::kLearned;
-  if (budget_ > 0 && cost_steps_[static_cast<int>(R::kLearned)] >= kTrialSteps)
-    how = cost_steps_[static_cast<int>(R::kCover)] < kTrialSteps || mean(R::kCover) <= mean(R::kLearned) * kCoverTolerance
-              ? R::kCover : R::kLearned;
+  if (budget_ <= 0 || measured_steps_[at(R::kLearned)] < kTrialSteps) {
+    // no cover, or the learned plan's trial
+  } else if (measured_steps_[at(R::kCover)] < kTrialSteps) {
+    how = R::kCover;
+  } else {
+    const R cheaper = latest_cost_[at(R::kCover)] <= latest_cost_[at(R::kLearned)] * kCoverTolerance ? R::kCover : R::kLearned;
+    const R other = cheaper == R::kCover ? R::kLearned : R::kCover;
+    how = streak_ >= kProbeEvery ? other : cheaper;
+    streak_ = how == cheaper ? streak_ + 1 : 0;
+  }
   plan_.build(last_, how, learned_from_, budget_);
 }
 

@@ -102,16 +102,19 @@ class StepTrace {
   void plan_next();  // end_step's choice of how to plan the next step, and its plan
   StepArrays current_, last_;
   StepPlan plan_;
-  // Each way of planning is measured on the steps that followed it whole (comeback_cost, the work
-  // of bringing values back; the mean over those steps since the program last changed, as the
-  // runtime's state makes one step differ from the next); the next step takes the cheaper, the
-  // cover on a tie within kCoverTolerance (it frees memory in order: less compaction). Each way is
-  // first tried for kTrialSteps steps: learned, then cover.
+  // Each way of planning is measured on the steps that follow it whole (comeback_cost, the work of
+  // bringing values back) since the program last changed. Each is first tried for kTrialSteps
+  // steps, learned then cover; then the next step takes the cheaper by its latest measure (the
+  // learned plan keeps learning, from its own steps, so its early steps overstate it), the cover on
+  // a tie within kCoverTolerance (it frees memory in order: less compaction), and after every
+  // kProbeEvery steps of one way, one step of the other measures it again.
   static constexpr double kCoverTolerance = 1.05;
   static constexpr int64_t kTrialSteps = 2;
+  static constexpr int64_t kProbeEvery = 5;
   int64_t budget_ = 0;
-  double cost_sum_[2] = {0, 0};  // per StepPlan::Releases: summed over cost_steps_
-  int64_t cost_steps_[2] = {0, 0};
+  double latest_cost_[2] = {0, 0};  // per StepPlan::Releases
+  int64_t measured_steps_[2] = {0, 0};
+  int64_t streak_ = 0;  // steps the cheaper way ran since the last probe
   bool planned_step_ = false;  // the current step started with a plan to follow
   StepArrays learned_from_;   // releases and comebacks of the last step no cover planned
   bool planning_ = false;
