@@ -1,17 +1,16 @@
 // step_plan.cpp — next uses from the last step (see step_plan.h).
 #include "step_plan.h"
 
-#include "plan_cover.h"
-
 #include <algorithm>
 #include <limits>
 
 namespace pymem {
 
-void StepPlan::build(const StepArrays& s, Releases how, const StepArrays& learned_from, int64_t budget) {
+void StepPlan::build(const StepArrays& s, Releases how, const StepArrays& learned_from,
+                     const std::vector<std::pair<int32_t, int32_t>>& cover) {
   index(s);
   how_ = how;
-  set_releases(how == Releases::kCover ? cover_releases(s, budget) : learned(learned_from));
+  set_releases(how == Releases::kCover ? cover : learned(learned_from));
 }
 
 void StepPlan::index(const StepArrays& s) {

@@ -45,8 +45,9 @@ class StepPlan {
   enum class Releases { kLearned, kCover };
   // The plan for a step like `s` (empty when s has no ops). kLearned learns from `learned_from`'s
   // releases and comebacks (a step like s: s itself, or the last step that ran a kLearned plan);
-  // kCover covers `budget` bytes.
-  void build(const StepArrays& s, Releases how, const StepArrays& learned_from, int64_t budget);
+  // kCover releases `cover` (cover_releases of a step like s).
+  void build(const StepArrays& s, Releases how, const StepArrays& learned_from,
+             const std::vector<std::pair<int32_t, int32_t>>& cover);
   Releases releases() const { return how_; }
   bool empty() const { return step_.op.empty(); }
   size_t size() const { return step_.op.size(); }  // ops in the planned step

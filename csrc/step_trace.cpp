@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <unordered_map>
@@ -50,8 +51,10 @@ void check_step(const StepArrays& s) {
     bad("inputs and outputs must be value indices (0 .. len(value_bytes) - 1)");
   for (int32_t p : s.value_producer)
     if (p < -1 || (p >= 0 && static_cast<size_t>(p) >= n)) bad("value_producer must be an op position or -1");
-  if (!std::all_of(s.value_bytes.begin(), s.value_bytes.end(), [](int64_t b) { return b >= 0; }))
-    bad("value_bytes must not be negative");
+  if (!std::all_of(s.value_bytes.begin(), s.value_bytes.end(), [](int64_t b) { return b >= 0 && b < (int64_t{1} << 48); }))
+    bad("value_bytes must be between 0 and 2**48");
+  if (!std::all_of(s.op_cost.begin(), s.op_cost.end(), [](double c) { return std::isfinite(c) && c >= 0; }))
+    bad("op_cost must be finite and not negative");
 }
 
 py::dict as_dict(const StepArrays& s) {
@@ -170,7 +173,7 @@ void StepTrace::end_step() {
 
 void StepTrace::plan_next() {
   using R = StepPlan::Releases;
-  const bool followed = planned_step_ && following_;  // the whole step ran the plan
+  const bool followed = planned_step_ && following_ && last_.op.size() == plan_.size();  // the whole step ran the plan
   const R ran = plan_.releases();
   const auto at = [](R r) { return static_cast<int>(r); };
   if (followed) {
@@ -180,6 +183,7 @@ void StepTrace::plan_next() {
   } else {  // a new program (or the first step): nothing measured holds
     measured_steps_[0] = measured_steps_[1] = 0;
     streak_ = 0;
+    cover_fresh_ = false;
   }
   if (!followed || ran == R::kLearned) {  // what kLearned learns from: the greedy's, or its own
     learned_from_.released_at = last_.released_at;
@@ -198,7 +202,19 @@ void StepTrace::plan_next() {
     how = streak_ >= kProbeEvery ? other : cheaper;
     streak_ = how == cheaper ? streak_ + 1 : 0;
   }
-  plan_.build(last_, how, learned_from_, budget_);
+  if (how == R::kCover && !cover_fresh_) {
+    cover_ = cover_releases(last_, budget_);
+    cover_fresh_ = true;
+  }
+  plan_.build(last_, how, learned_from_, cover_);
+}
+
+void StepTrace::set_budget(int64_t bytes) {
+  if (bytes == budget_) return;
+  budget_ = bytes;  // what was measured and covered was for another budget
+  measured_steps_[0] = measured_steps_[1] = 0;
+  streak_ = 0;
+  cover_fresh_ = false;
 }
 
 void StepTrace::set_planning(bool on) {
@@ -304,7 +320,15 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       "cover_releases",
       [](py::dict step, int64_t budget) {
         StepArrays s;
-        const auto get = [&](const char* key, auto& out) { out = py::cast<std::remove_reference_t<decltype(out)>>(step[key]); };
+        const auto get = [&](const char* key, auto& out) {
+          if (!step.contains(key)) throw py::key_error(std::string("pymem: the step has no '") + key + "' (see last_step())");
+          try {
+            out = py::cast<std::remove_reference_t<decltype(out)>>(step[key]);
+          } catch (const py::cast_error&) {
+            throw py::type_error(std::string("pymem: step['") + key + "'] must be a sequence of " +
+                                 (std::string(key) == "op_cost" ? "floats" : "integers") + " in the range of its type");
+          }
+        };
         get("op", s.op);
         get("op_cost", s.op_cost);
         get("inputs_start", s.inputs_start);

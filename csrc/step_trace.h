@@ -73,7 +73,7 @@ class StepTrace {
   int64_t next_use_at(const RecordObject* r) const;
   // The bytes the step's values may occupy (the arena's budget), for plans that cover it; 0: none.
   int64_t budget() const { return budget_; }
-  void set_budget(int64_t bytes) { budget_ = bytes; }
+  void set_budget(int64_t bytes);
   // How the plan being followed releases early (step_plan.h); meaningful while following().
   StepPlan::Releases plan_releases() const { return plan_.releases(); }
   int64_t planned_ops() const { return static_cast<int64_t>(plan_.size()); }  // the plan's step length
@@ -115,6 +115,9 @@ class StepTrace {
   double latest_cost_[2] = {0, 0};  // per StepPlan::Releases
   int64_t measured_steps_[2] = {0, 0};
   int64_t streak_ = 0;  // steps the cheaper way ran since the last probe
+  // The cover of the program as it runs now: computed once, kept until it changes (or the budget).
+  std::vector<std::pair<int32_t, int32_t>> cover_;
+  bool cover_fresh_ = false;
   bool planned_step_ = false;  // the current step started with a plan to follow
   StepArrays learned_from_;   // releases and comebacks of the last step no cover planned
   bool planning_ = false;

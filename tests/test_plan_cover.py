@@ -87,3 +87,24 @@ def test_offloading_keeps_the_learned_plan(managed):
     pymem.disable()
     rt = pymem.enable(budget="64MB", device="cpu", cost=FIXED, plan="auto")
     assert rt.trace.budget == rt.budget > 0
+
+
+def test_a_cover_step_releases_the_covers_picks_where_it_planned_them(managed):
+    """In a step that follows a cover plan, the values the cover picked leave memory right after
+    the op it planned (the trace lists each release at the position after that op)."""
+    import runtime_models as rm
+
+    budget = budget_at(measure_peak(lambda: rm.trainer("gpt"), 2), 0.5)
+    rt = pymem.enable(budget=budget, device="cpu", cost=FIXED, plan="auto")
+    step = rm.trainer("gpt")
+    checked = 0
+    for _ in range(8):
+        covering = rt.trace.plan_releases == "cover"
+        picks = pymem._C.cover_releases(rt.trace.last_step(), rt.trace.budget) if covering else []
+        step()
+        if covering:
+            s = rt.trace.last_step()
+            released = set(zip(s["released_at"].tolist(), s["released_value"].tolist()))
+            assert picks and {(at + 1, v) for at, v in picks} <= released
+            checked += 1
+    assert checked >= 2
