@@ -32,7 +32,7 @@ py::array_t<T> as_array(const std::vector<T>& v) {
   return py::array_t<T>(static_cast<py::ssize_t>(v.size()), v.data());  // a copy
 }
 
-// A step given from outside (cover_releases): its arrays must index each other.
+// A step given from outside (cover_releases, learned_releases, comeback_cost): its arrays must index each other.
 void check_step(const StepArrays& s) {
   const size_t n = s.op.size(), m = s.value_bytes.size();
   const auto bad = [](const std::string& what) { throw py::value_error("pymem: bad step arrays: " + what); };
@@ -56,6 +56,55 @@ void check_step(const StepArrays& s) {
   if (!std::all_of(s.op_cost.begin(), s.op_cost.end(), [](double c) { return std::isfinite(c) && c >= 0; }))
     bad("op_cost must be finite and not negative");
 }
+
+template <class T>
+void get_key(py::dict d, const char* key, T& out) {
+  if (!d.contains(key)) throw py::key_error(std::string("pymem: the step has no '") + key + "' (see last_step())");
+  try {
+    out = py::cast<T>(d[key]);
+  } catch (const py::cast_error&) {
+    throw py::type_error(std::string("pymem: step['") + key + "'] must be a sequence of " +
+                         (std::string(key) == "op_cost" ? "floats" : "integers") + " in the range of its type");
+  }
+}
+
+// A step given as a dict (last_step()'s keys), checked.
+StepArrays step_from_dict(py::dict d) {
+  StepArrays s;
+  get_key(d, "op", s.op);
+  get_key(d, "op_cost", s.op_cost);
+  get_key(d, "inputs_start", s.inputs_start);
+  get_key(d, "inputs", s.inputs);
+  get_key(d, "outputs_start", s.outputs_start);
+  get_key(d, "outputs", s.outputs);
+  get_key(d, "value_bytes", s.value_bytes);
+  get_key(d, "value_producer", s.value_producer);
+  get_key(d, "value_recomputable", s.value_recomputable);
+  check_step(s);
+  return s;
+}
+
+// A step's comebacks (and its releases, with `releases`) from the dict into `s`. Entries naming
+// no value of the step are skipped where they are read (comeback_cost, StepPlan::learned).
+void events_from_dict(py::dict d, StepArrays& s, bool releases) {
+  get_key(d, "back_at", s.back_at);
+  get_key(d, "back_value", s.back_value);
+  if (releases) {
+    get_key(d, "released_at", s.released_at);
+    get_key(d, "released_value", s.released_value);
+  }
+  if (s.back_at.size() != s.back_value.size() || s.released_at.size() != s.released_value.size())
+    throw py::value_error("pymem: bad step arrays: back_at and back_value (released_at and released_value) "
+                          "need one entry each per event");
+}
+
+StepPlan::Releases releases_arg(const std::string& how) {
+  if (how == "learned") return StepPlan::Releases::kLearned;
+  if (how == "cover") return StepPlan::Releases::kCover;
+  throw py::value_error("pymem: a plan releases 'learned' or 'cover', got '" + how + "'");
+}
+
+const char* releases_name(StepPlan::Releases how) { return how == StepPlan::Releases::kCover ? "cover" : "learned"; }
 
 py::dict as_dict(const StepArrays& s) {
   py::dict d;
@@ -175,14 +224,11 @@ void StepTrace::plan_next() {
   using R = StepPlan::Releases;
   const bool followed = planned_step_ && following_ && last_.op.size() == plan_.size();  // the whole step ran the plan
   const R ran = plan_.releases();
-  const auto at = [](R r) { return static_cast<int>(r); };
   if (followed) {
-    latest_cost_[at(ran)] = comeback_cost(last_);
-    ++measured_steps_[at(ran)];
+    choice_.measured(ran, comeback_cost(last_));
     if (ran == R::kCover) ++num_cover_steps_;
   } else {  // a new program (or the first step): nothing measured holds
-    measured_steps_[0] = measured_steps_[1] = 0;
-    streak_ = 0;
+    choice_.reset();
     cover_fresh_ = false;
   }
   if (!followed || ran == R::kLearned) {  // what kLearned learns from: the greedy's, or its own
@@ -191,17 +237,7 @@ void StepTrace::plan_next() {
     learned_from_.back_at = last_.back_at;
     learned_from_.back_value = last_.back_value;
   }
-  R how = R::kLearned;
-  if (budget_ <= 0 || measured_steps_[at(R::kLearned)] < kTrialSteps) {
-    // no cover, or the learned plan's trial
-  } else if (measured_steps_[at(R::kCover)] < kTrialSteps) {
-    how = R::kCover;
-  } else {
-    const R cheaper = latest_cost_[at(R::kCover)] <= latest_cost_[at(R::kLearned)] * kCoverTolerance ? R::kCover : R::kLearned;
-    const R other = cheaper == R::kCover ? R::kLearned : R::kCover;
-    how = streak_ >= kProbeEvery ? other : cheaper;
-    streak_ = how == cheaper ? streak_ + 1 : 0;
-  }
+  const R how = choice_.next(budget_ > 0);
   if (how == R::kCover && !cover_fresh_) {
     cover_ = cover_releases(last_, budget_);
     cover_fresh_ = true;
@@ -212,8 +248,7 @@ void StepTrace::plan_next() {
 void StepTrace::set_budget(int64_t bytes) {
   if (bytes == budget_) return;
   budget_ = bytes;  // what was measured and covered was for another budget
-  measured_steps_[0] = measured_steps_[1] = 0;
-  streak_ = 0;
+  choice_.reset();
   cover_fresh_ = false;
 }
 
@@ -318,32 +353,49 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
            "The last complete step's arrays (copies; see csrc/step_trace.h for their meaning).");
   m.def(
       "cover_releases",
-      [](py::dict step, int64_t budget) {
-        StepArrays s;
-        const auto get = [&](const char* key, auto& out) {
-          if (!step.contains(key)) throw py::key_error(std::string("pymem: the step has no '") + key + "' (see last_step())");
-          try {
-            out = py::cast<std::remove_reference_t<decltype(out)>>(step[key]);
-          } catch (const py::cast_error&) {
-            throw py::type_error(std::string("pymem: step['") + key + "'] must be a sequence of " +
-                                 (std::string(key) == "op_cost" ? "floats" : "integers") + " in the range of its type");
-          }
-        };
-        get("op", s.op);
-        get("op_cost", s.op_cost);
-        get("inputs_start", s.inputs_start);
-        get("inputs", s.inputs);
-        get("outputs_start", s.outputs_start);
-        get("outputs", s.outputs);
-        get("value_bytes", s.value_bytes);
-        get("value_producer", s.value_producer);
-        get("value_recomputable", s.value_recomputable);
-        check_step(s);
-        return cover_releases(s, budget);
-      },
+      [](py::dict step, int64_t budget) { return cover_releases(step_from_dict(step), budget); },
       py::arg("step"), py::arg("budget"),
       "The releases csrc/plan_cover.h picks for a step (a dict as last_step() gives) under `budget` bytes: "
       "(position, value) pairs, the value released right after the op at that position.");
+  m.def(
+      "learned_releases",
+      [](py::dict step, py::dict learned_from) {
+        const StepArrays s = step_from_dict(step);
+        StepArrays from;
+        events_from_dict(learned_from, from, true);
+        StepPlan plan;
+        plan.build(s, StepPlan::Releases::kLearned, from, {});
+        std::vector<std::pair<int32_t, int32_t>> due;
+        for (size_t k = 0; k < plan.size(); ++k)
+          for (auto [v, end] = plan.due_after(k); v != end; ++v) due.emplace_back(static_cast<int32_t>(k), *v);
+        return due;
+      },
+      py::arg("step"), py::arg("learned_from"),
+      "The releases a learned plan (csrc/step_plan.h) makes in a step like `step`, learned from the releases and "
+      "comebacks of `learned_from` (a dict with released_at, released_value, back_at, back_value): (position, "
+      "value) pairs, as cover_releases gives.");
+  m.def(
+      "comeback_cost",
+      [](py::dict step) {
+        StepArrays s = step_from_dict(step);
+        events_from_dict(step, s, false);
+        return comeback_cost(s);
+      },
+      py::arg("step"),
+      "Seconds of bringing values back in a step with its comebacks (back_at, back_value): each at its producer's "
+      "op_cost. What the step plan measures each way of planning by.");
+  py::class_<PlanChoice>(m, "PlanChoice",
+                         "How the step trace chooses to plan each step (csrc/plan_choice.h): 'learned' or 'cover'.")
+      .def(py::init<>())
+      .def("reset", &PlanChoice::reset, "Forget what was measured (a new program, or another budget).")
+      .def(
+          "measured",
+          [](PlanChoice& c, const std::string& ran, double cost) { c.measured(releases_arg(ran), cost); },
+          py::arg("ran"), py::arg("cost"), "A step that followed a `ran` plan whole brought values back for `cost` seconds.")
+      .def(
+          "next",
+          [](PlanChoice& c, bool cover_allowed) { return releases_name(c.next(cover_allowed)); },
+          py::arg("cover_allowed"), "The way to plan the next step: 'learned' or 'cover'.");
   m.def("op_code", &op_code, py::arg("name"), "The process-wide code of an op (its str(OpOverload)).");
   m.def("op_name", &op_name, py::arg("code"));
 }

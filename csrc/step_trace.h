@@ -34,6 +34,7 @@
 // is a value made before it, and gets an index when first seen.
 #pragma once
 
+#include "plan_choice.h"
 #include "step_arrays.h"
 #include "step_plan.h"
 
@@ -102,19 +103,8 @@ class StepTrace {
   void plan_next();  // end_step's choice of how to plan the next step, and its plan
   StepArrays current_, last_;
   StepPlan plan_;
-  // Each way of planning is measured on the steps that follow it whole (comeback_cost, the work of
-  // bringing values back) since the program last changed. Each is first tried for kTrialSteps
-  // steps, learned then cover; then the next step takes the cheaper by its latest measure (the
-  // learned plan keeps learning, from its own steps, so its early steps overstate it), the cover on
-  // a tie within kCoverTolerance (it frees memory in order: less compaction), and after every
-  // kProbeEvery steps of one way, one step of the other measures it again.
-  static constexpr double kCoverTolerance = 1.05;
-  static constexpr int64_t kTrialSteps = 2;
-  static constexpr int64_t kProbeEvery = 5;
+  PlanChoice choice_;  // learned or cover, by what the steps that followed each cost
   int64_t budget_ = 0;
-  double latest_cost_[2] = {0, 0};  // per StepPlan::Releases
-  int64_t measured_steps_[2] = {0, 0};
-  int64_t streak_ = 0;  // steps the cheaper way ran since the last probe
   // The cover of the program as it runs now: computed once, kept until it changes (or the budget).
   std::vector<std::pair<int32_t, int32_t>> cover_;
   bool cover_fresh_ = false;

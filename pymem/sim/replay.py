@@ -28,7 +28,7 @@ Deterministic: nothing here reads a timer or a random number.
 import bisect
 import heapq
 import math
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ import torch
 from .. import _C
 from .. import compaction_plan, restore_order
 from ..errors import OutOfBudgetError
-from ..gpus import gpu_cost_model, gpu_spec
+from ..gpus import LAUNCH_SECONDS, gpu_cost_model, gpu_spec
 from ..policies import EvictedNeighbourhood, Planned, get_director, get_policy
 from ..runtime.swap import _LEAD, _PREFETCH_DEPTH
 from .trace import Trace
@@ -110,9 +110,11 @@ class Simulator:
 
     def __init__(self, trace: Trace, budget: int, policy: str = "dtr", offload: str = "never", plan: str = "off",
                  device: Optional[str] = "h100", search: str = "handler", link_bytes_per_s: Optional[float] = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, releases: Sequence[Tuple[int, int]] = (), releases_chains: bool = False) -> None:
         if plan not in ("auto", "off"):
             raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
+        if releases and plan != "auto":
+            raise ValueError("early releases come from a step plan: give plan='auto' with them")
         if not isinstance(budget, (int, np.integer)) or budget <= 0:
             raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
         self.trace, self.budget = trace, int(budget) // _C.ALIGNMENT * _C.ALIGNMENT  # the arena's unit
@@ -123,6 +125,9 @@ class Simulator:
         self.offload_leaves = offload != "never"
         self.uses_window = policy == "coop"
         self.seconds = _op_seconds(trace, device)
+        # A compaction's move reads and writes the block on the device (no rate for recorded costs).
+        self.move_bytes_per_s = gpu_spec(device).memory_bytes_per_s / 2 if device else None
+        self.launch = LAUNCH_SECONDS if device else 0.0
         if link_bytes_per_s is None:
             link_bytes_per_s = gpu_spec(device).host_bytes_per_s if device else 32e9
         self.link_bytes_per_s = float(link_bytes_per_s)
@@ -159,6 +164,16 @@ class Simulator:
         self._allocs, self._freed = -1, 0
         self.released: List[int] = []  # values released under pressure, in order (the decisions)
         self.released_at: List[int] = []  # the op running (or recomputing for) at each
+        # The step plan's early releases (csrc/step_plan.h): due[k], the values released right after
+        # op k; a learned plan leaves a value with evicted readers to pressure, a cover does not.
+        self.due: Dict[int, List[int]] = {}
+        for k, v in releases:
+            self.due.setdefault(int(k), []).append(int(v))
+        self.releases_chains = releases_chains
+        self.planned_releases = 0
+        # What the step trace notes for the next step's plan (csrc/step_trace.h: releases, comebacks).
+        self.events: Dict[str, List[int]] = {"released_at": [], "released_value": [], "back_at": [], "back_value": []}
+        self.move_seconds = 0.0
         # Copies back ahead of use (swap.py's prefetch): by the plan's next read (a heap), else the
         # newest offloaded first; at most _PREFETCH_DEPTH in flight, only into free memory.
         self.prefetch = prefetch
@@ -218,10 +233,13 @@ class Simulator:
             self.arena.free(v.addr)
         v.addr = 0
 
-    def _release(self, v: _Value) -> int:
-        """Offload or evict a resident, unlocked value: its bytes are free after."""
-        self.released.append(v.index)
-        self.released_at.append(self.position)
+    def _release(self, v: _Value, at: Optional[int] = None) -> int:
+        """Offload or evict a resident, unlocked value: its bytes are free after. ``at``: the step
+        position the step trace notes it at (default: the op running)."""
+        if at is None:
+            self.released.append(v.index)
+            self.released_at.append(self.position)
+        self._note("released", self.position if at is None else at, v)
         if v.ready_at:  # copied back ahead of use, released again before it: that copy was for nothing
             self.in_flight.pop(v.index, None)
             v.ready_at = 0.0
@@ -283,6 +301,12 @@ class Simulator:
         self.in_flight.pop(v.index, None)
         v.ready_at = 0.0
         self.copies_back += 1
+
+    def _note(self, what: str, at: int, v: _Value) -> None:
+        """As the step trace notes a value of the step (made in it) leaving or coming back."""
+        if self.trace.value_producer[v.index] >= 0:
+            self.events[what + "_at"].append(at)
+            self.events[what + "_value"].append(v.index)
 
     def _spend_copy(self, seconds: float) -> None:
         self.copy_seconds += seconds
@@ -358,6 +382,10 @@ class Simulator:
         v = self.by_addr.pop(old)
         v.addr = new
         self.by_addr[new] = v
+        if self.move_bytes_per_s:  # a device-to-device copy on the compute stream
+            seconds = self.launch + v.nbytes / self.move_bytes_per_s
+            self.move_seconds += seconds
+            self.clock += seconds
 
     # --- running the step ---
     # --- bringing values back (remat.py's restore order, on the simulator's values) ---
@@ -376,6 +404,7 @@ class Simulator:
     def _bring_back(self, v: _Value) -> None:
         """One value back: copied (offloaded: on demand, behind the copies queued) or recomputed
         from its producer's inputs (resident now; locked while it runs)."""
+        self._note("back", self.position, v)
         if v.state == OFFLOADED:
             self._allocate(v)
             done = max(self.clock, self.h2d_free) + v.swap_cost
@@ -457,6 +486,19 @@ class Simulator:
             v.dead = True
             if v.locks == 0:
                 self._drop(v)
+        for d in self.due.get(k, ()):
+            self._release_planned(self.values[d], k)
+
+    def _release_planned(self, v: _Value, k: int) -> None:
+        """runtime.release_planned: a value the plan releases after op k, if it is still here, no
+        restore waits for it, and (a learned plan) no evicted value's recompute reads it."""
+        if not (v.recipe and not v.dead and v.waits == 0 and self._releasable(v)):
+            return
+        if not self.releases_chains and any(self.values[c].state == EVICTED and not self.values[c].dead
+                                            for k in self.readers[v.index] for c in self.trace.op_outputs(k)):
+            return
+        self._release(v, at=k + 1)
+        self.planned_releases += 1
 
     def run(self) -> Dict:
         """Replay the step once. Returns {"status": "ok" | "oom" | "thrash", "overhead",
@@ -472,7 +514,7 @@ class Simulator:
         except _OOM as e:
             status, error = "oom", str(e)
         base = float(self.seconds.sum())
-        total = base + self.recompute_seconds + self.copy_seconds
+        total = base + self.recompute_seconds + self.copy_seconds + self.move_seconds
         overhead = total / base if base > 0 else 1.0
         if status == "ok" and overhead > THRASH:
             status = "thrash"
@@ -485,6 +527,7 @@ class Simulator:
                "prefetches": self.prefetches,
                "step_seconds": base, "recomputes": self.recomputes, "copies_back": self.copies_back,
                "compactions": int(st["num_compactions"]), "moved_bytes": int(st["moved_bytes"]),
+               "compaction_seconds": self.move_seconds, "planned_releases": self.planned_releases,
                "ops_run": self.position + (status != "oom"), "num_ops": t.num_ops}
         if error is not None:
             out["error"] = error
@@ -545,5 +588,9 @@ def _op_seconds(trace: Trace, device: Optional[str]) -> np.ndarray:
 
 
 def simulate(trace: Trace, budget: int, **kw) -> Dict:
-    """One replay: ``Simulator(trace, budget, **kw).run()``."""
+    """One replay: ``Simulator(trace, budget, **kw).run()``; with ``plan="auto"``, the step the
+    runtime's plan settles on (pymem/sim/plan.py)."""
+    if kw.get("plan", "off") == "auto":
+        from .plan import replay_planned
+        return replay_planned(trace, budget, **kw)
     return Simulator(trace, budget, **kw).run()

@@ -1,0 +1,73 @@
+"""The step plan in a replay: the steps the runtime runs before its plan settles.
+
+The runtime plans each step from the one before it (csrc/step_trace.h). Its first step runs
+unplanned (the policy alone). Every later step follows a plan made one of two ways, which
+csrc/plan_choice.h chooses by what the steps that followed each way brought back:
+``learned`` (the releases of the step before, made right after their last use: csrc/step_plan.h)
+or ``cover`` (the cheapest cover of where the step overflows its budget: csrc/plan_cover.h).
+
+A replay is one step, so ``replay_planned`` replays the runtime's sequence of steps with the same
+C++ (``_C.learned_releases``, ``_C.cover_releases``, ``_C.PlanChoice``): the unplanned step, each
+way's trial steps, then the step the choice settles on, which the runtime then repeats. It
+reports that last step. Every step replayed must fit: the runtime raises at the first that does
+not, so the first replay that runs out of budget is the result.
+
+The cover depends only on the program and the budget, so its steps replay the same: each distinct
+step is replayed once.
+"""
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+from .. import _C
+from .replay import Simulator
+from .trace import Trace
+
+# The steps the runtime runs before the choice settles: one unplanned, then PlanChoice's trials.
+_TRIAL_STEPS = 1 + 2 * 2
+
+
+def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
+    """The trace as the runtime's step arrays (csrc/step_trace.h), priced by ``seconds``."""
+    return {"op": trace.op.astype(np.int32), "op_cost": np.asarray(seconds, dtype=np.float64),
+            "inputs_start": trace.inputs_start, "inputs": trace.inputs,
+            "outputs_start": trace.outputs_start, "outputs": trace.outputs,
+            "value_bytes": trace.value_bytes, "value_producer": trace.value_producer,
+            "value_recomputable": trace.value_recomputable}
+
+
+def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
+    """The step the runtime settles on with ``plan="auto"`` (``Simulator``'s keywords), with
+    ``plan_releases`` ("learned" or "cover": how it was planned) and ``plan_steps`` (each step
+    replayed on the way: its plan, status, overhead and the seconds it brought values back for)."""
+    kw.pop("plan", None)
+    first = Simulator(trace, budget, plan="off", **kw)  # the runtime's first step: no plan yet
+    step = step_arrays(trace, first.seconds)
+    cover_allowed = kw.get("offload", "never") == "never"  # offloading: the runtime plans learned only
+    choice = _C.PlanChoice()
+    steps: List[Dict] = []
+
+    def run(sim: Simulator, how: str) -> Tuple[Dict, Dict, Dict]:
+        out = sim.run()
+        cost = _C.comeback_cost(dict(step, back_at=sim.events["back_at"], back_value=sim.events["back_value"]))
+        return out, sim.events, {"plan": how, "status": out["status"], "overhead": out["overhead"],
+                                 "comeback_seconds": cost}
+
+    out, learned_from, summary = run(first, "none")
+    steps.append(summary)
+    cover: Optional[Tuple[Dict, Dict, Dict]] = None
+    for _ in range(_TRIAL_STEPS):
+        if out["status"] == "oom":
+            break
+        how = choice.next(cover_allowed)
+        if how == "cover":
+            if cover is None:
+                releases = _C.cover_releases(step, budget)
+                cover = run(Simulator(trace, budget, plan="auto", releases=releases, releases_chains=True, **kw), how)
+            out, _, summary = cover
+        else:
+            releases = _C.learned_releases(step, learned_from)
+            out, learned_from, summary = run(Simulator(trace, budget, plan="auto", releases=releases, **kw), how)
+        steps.append(dict(summary))
+        choice.measured(how, summary["comeback_seconds"])
+    return dict(out, plan_releases=steps[-1]["plan"], plan_steps=steps)
