@@ -21,7 +21,10 @@ published rates (pymem/gpus.py).
   (d) published figures beside ours (third_party/README.md): the DTR prototype's transformer
       slowdowns on the overhead plot; the max-batch multiples of MegEngine, Capuchin and DELTA and
       GMLake's fragmentation beside (b) and (c).
-  (e) not yet: the MILP optimum (Checkmate) of small traces.
+  (e) the MILP optimum (Checkmate) of small traces: bench/milp_optimum.py.
+
+Plan "auto" replays the steps the runtime runs until its plan settles (pymem/sim/plan.py) and
+reports the settled one; compaction's moves are priced as copies at the device's memory rate.
 
 Targets printed: GPT-2 XL on H100, best policy: <= 1.10x at 0.3 of its peak, <= 1.3x at 0.2;
 >= 3x the unmanaged max batch at <= 1.3x step time; window-search fragmentation <= 5%.
@@ -69,8 +72,8 @@ class Progress:
 def _short(r: dict) -> dict:
     keep = ("status", "overhead", "peak_bytes", "budget_bytes", "fragmentation", "evictions", "offloads",
             "recompute_seconds", "copy_seconds_hidden", "copy_seconds_exposed", "step_seconds", "compactions",
-            "moved_bytes", "prefetches")
-    return {k: r[k] for k in keep}
+            "moved_bytes", "compaction_seconds", "prefetches", "planned_releases", "plan_releases")
+    return {k: r.get(k) for k in keep}
 
 
 def overhead_curves(trace, device, ratios, policies, directors, bar):

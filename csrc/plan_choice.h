@@ -3,8 +3,9 @@
 // trace asks it at every step's end; the simulator (pymem/sim/plan.py) asks the same object, so a
 // replay plans as the runtime would.
 //
-// Each way is measured on the steps that follow it whole (comeback_cost, the work of bringing
-// values back) since the program last changed. Each is first tried for kTrialSteps steps, learned
+// Each way is measured on the steps that follow it whole since the program last changed, by the
+// memory work it costs: bringing values back (comeback_cost) and moving blocks in compactions (a
+// plan that releases out of order leaves holes that compaction pays for). Each is first tried for kTrialSteps steps, learned
 // then cover; then the next step takes the cheaper by its latest measure (the learned plan keeps
 // learning, from its own steps, so its early steps overstate it), the cover on a tie within
 // kCoverTolerance (it frees memory in order: less compaction), and after every kProbeEvery steps
@@ -26,7 +27,7 @@ class PlanChoice {
 
   // Nothing measured holds any more: a new program, a step that left its plan, another budget.
   void reset();
-  // A step that followed a plan made `ran`'s way, whole, brought values back for `cost` seconds.
+  // A step that followed a plan made `ran`'s way, whole, cost `cost` seconds of memory work.
   void measured(Releases ran, double cost);
   // The way to plan the next step; the cover only where `cover_allowed` (a budget to cover).
   Releases next(bool cover_allowed);

@@ -209,7 +209,8 @@ py::list StepTrace::take_due() {
   return out;
 }
 
-void StepTrace::end_step() {
+void StepTrace::end_step(double moved_seconds) {
+  last_moved_seconds_ = moved_seconds;
   last_ = std::move(current_);
   current_ = StepArrays();
   ++num_steps_;
@@ -225,7 +226,7 @@ void StepTrace::plan_next() {
   const bool followed = planned_step_ && following_ && last_.op.size() == plan_.size();  // the whole step ran the plan
   const R ran = plan_.releases();
   if (followed) {
-    choice_.measured(ran, comeback_cost(last_));
+    choice_.measured(ran, comeback_cost(last_) + last_moved_seconds_);
     if (ran == R::kCover) ++num_cover_steps_;
   } else {  // a new program (or the first step): nothing measured holds
     choice_.reset();
@@ -313,7 +314,9 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           "note_back", [](StepTrace& t, py::handle r) { t.note_back(record_arg(r, "note_back")); }, py::arg("record"),
           "While planning: the record's value is back in memory now.")
       .def("take_due", &StepTrace::take_due, "The live records of the values the plan releases after the op just booked.")
-      .def("end_step", &StepTrace::end_step, "The current step is complete.")
+      .def("end_step", &StepTrace::end_step, py::arg("moved_seconds") = 0.0,
+           "The current step is complete; it spent `moved_seconds` moving blocks (compactions), which the "
+           "choice of how to plan counts with its comebacks.")
       .def_property_readonly("num_steps", &StepTrace::num_steps)
       .def_property_readonly("num_dropped", &StepTrace::num_dropped)
       .def_property("planning", &StepTrace::planning, &StepTrace::set_planning,

@@ -57,8 +57,8 @@ class StepTrace {
   // True when the plan releases values after this op: take_due() gives their records.
   bool record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs, c10::ArrayRef<RecordObject*> made);
   // The current step is complete: it becomes the last step, and a new one starts (planned from it
-  // when planning).
-  void end_step();
+  // when planning). `moved_seconds`: what its compactions' moves cost (the runtime prices them).
+  void end_step(double moved_seconds = 0);
 
   // Planning (step_plan.h): each step is planned from the one before, and followed until it diverges.
   bool planning() const { return planning_; }
@@ -104,6 +104,7 @@ class StepTrace {
   StepArrays current_, last_;
   StepPlan plan_;
   PlanChoice choice_;  // learned or cover, by what the steps that followed each cost
+  double last_moved_seconds_ = 0;  // the last step's compaction moves, priced
   int64_t budget_ = 0;
   // The cover of the program as it runs now: computed once, kept until it changes (or the budget).
   std::vector<std::pair<int32_t, int32_t>> cover_;

@@ -204,3 +204,16 @@ def host_link_bandwidth(device: str = "cpu") -> float:
             seconds = best(lambda: dst.copy_(src), 5)
         bw = _bandwidth[str(dev)] = n / max(seconds, 1e-9)
     return bw
+
+
+def host_copy_bandwidth() -> float:
+    """Bytes per second of one copy within host memory (what moving a block costs when the CPU
+    device compacts its arena), timed once per process with NumPy alone: no torch op, so the runtime
+    may ask while it manages ops."""
+    bw = _bandwidth.get("host copy")
+    if bw is None:
+        n = 32 << 20
+        a, b = np.ones(n, dtype=np.uint8), np.ones(n, dtype=np.uint8)
+        seconds = _timer(torch.device("cpu"))(lambda: np.copyto(b, a), 5)
+        bw = _bandwidth["host copy"] = n / max(seconds, 1e-9)
+    return bw

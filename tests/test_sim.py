@@ -128,6 +128,56 @@ def test_bad_arguments_are_refused():
         Simulator(captured, 4 * MiB, device=None)
 
 
+def test_a_compaction_is_priced_as_a_copy_on_the_device():
+    # x, a, b, c in a row; a and c die; a 2 MiB value then fits only once b moves (all are leaves:
+    # nothing can be released). On an H100 a move costs a launch plus its bytes read and written.
+    ops = [("mk", 1.0, [0], [1]), ("mk", 1.0, [0], [2]), ("mk", 1.0, [0], [3]), ("big", 1.0, [2], [4])]
+    values = [(MiB, -1, 0, -1), (MiB, 0, 0, 2), (MiB, 1, 0, -1), (MiB, 2, 0, 2), (2 * MiB, 3, 0, -1)]
+    out = simulate(_trace(ops, values), 5 * MiB, device="h100")
+    assert out["status"] == "ok" and out["compactions"] == 1 and out["moved_bytes"] == MiB
+    assert out["compaction_seconds"] == pytest.approx(LAUNCH_SECONDS + MiB / (gpu_spec("h100").memory_bytes_per_s / 2))
+    assert out["overhead"] == pytest.approx((4 * LAUNCH_SECONDS + out["compaction_seconds"]) / (4 * LAUNCH_SECONDS))
+
+
+def _forward_backward_chain(k=8, grad=64 * 1024):
+    """x -> a1 .. ak (1 MiB each, a forward pass), then a backward pass that reads ak .. a1 in
+    turn, each with the gradient before it, and frees it."""
+    ops = [("f", 1.0, [i], [i + 1]) for i in range(k)]
+    values = [(MiB, -1, 0, -1)] + [(MiB, i, 1, 2 * k - i - 1) for i in range(k)]
+    for j in range(k):
+        ops.append(("b", 2.0, [k - j] if j == 0 else [k - j, len(values) - 1], [len(values)]))
+        values.append((grad, len(ops) - 1, 0, -1 if j == k - 1 else len(ops)))
+    return _trace(ops, values)
+
+
+def test_plan_auto_replays_the_steps_the_runtime_runs_until_its_plan_settles():
+    t = _forward_backward_chain()
+    out = simulate(t, 5 * MiB, policy="dtr", plan="auto", device=None)
+    steps = out["plan_steps"]
+    assert [s["plan"] for s in steps[:5]] == ["none", "learned", "learned", "cover", "cover"]
+    assert all(s["status"] == "ok" for s in steps) and out["peak_bytes"] <= out["budget_bytes"]
+    # The settled step is the cheaper way by the runtime's measure (the cover on a tie within 5%),
+    # and it is what the replay reports.
+    work = {s["plan"]: s["comeback_seconds"] + s["compaction_seconds"] for s in steps[1:5]}
+    assert steps[-1]["plan"] == out["plan_releases"] == ("cover" if work["cover"] <= 1.05 * work["learned"] else "learned")
+    assert out["overhead"] == steps[-1]["overhead"]
+    assert out == simulate(t, 5 * MiB, policy="dtr", plan="auto", device=None)  # deterministic
+    # Offloading: the runtime plans learned only.
+    offloading = simulate(t, 5 * MiB, policy="dtr", plan="auto", offload="always", device=None)
+    assert {s["plan"] for s in offloading["plan_steps"][1:]} == {"learned"}
+
+
+def test_an_early_release_happens_right_after_its_op_and_comes_back_for_the_next_read():
+    t = _forward_backward_chain()
+    sim = Simulator(t, 1 << 30, policy="dtr", plan="auto", device=None, releases=[(2, 2)], releases_chains=True)
+    out = sim.run()  # a2 released after op 2 although memory is plenty; backward recomputes it
+    assert out["planned_releases"] == 1 and out["evictions"] == 1 and out["recomputes"] == 1
+    assert (sim.events["released_at"], sim.events["released_value"]) == ([3], [2])  # noted at the next op
+    assert (sim.events["back_at"], sim.events["back_value"]) == ([14], [2])  # for the backward op reading it (8 + 6)
+    with pytest.raises(ValueError, match="early releases come from a step plan"):
+        Simulator(t, 1 << 30, device=None, releases=[(2, 2)])
+
+
 # --- the GPU cost model -----------------------------------------------------------------------
 def test_op_seconds_on_a_gpu():
     t = _cheap_and_costly()

@@ -187,6 +187,7 @@ class Runtime(_C.RuntimeBase):
         # Bookkeeping of every thread's ops, and the pressure handler, run under this lock; a kernel
         # runs without it (_kernel), its inputs locked and listed in `running`.
         self.trace = _C.StepTrace()  # every step's ops and values, as arrays (csrc/step_trace.h)
+        self._moved_at_step = 0  # the arena's moved_bytes at the last step end
         if conf.plan == "auto":
             self.trace.planning = True
             self.residency.plan = self.trace
@@ -590,11 +591,24 @@ class Runtime(_C.RuntimeBase):
         if swap is not None and (swap.offloaded or swap.planned or swap.in_flight):
             swap.after_op()
 
+    def _moved_seconds(self) -> float:
+        """What the compactions since the last step end moved, priced as a copy: what the plan's
+        choice counts beside its comebacks (csrc/plan_choice.h). By the cost model's byte rate
+        (a move reads and writes its bytes), else at a host memory copy's timed rate (measured
+        costs are the CPU's, where a move is one)."""
+        moved = self.backend.stats().get("moved_bytes", 0)
+        delta, self._moved_at_step = moved - self._moved_at_step, moved
+        if delta <= 0 or not self.trace.planning:
+            return 0.0
+        if self.cost_model is not None:
+            return 2 * delta / self.cost_model.byte_rate
+        return delta / _cost_model.host_copy_bandwidth()
+
     def end_step(self) -> None:
         """A training step is complete (its optimizer stepped, or ``pymem.step()``): the trace plans
         the next from it."""
         with self.lock:
-            self.trace.end_step()
+            self.trace.end_step(self._moved_seconds())
             if self.swap is not None:
                 self.swap.end_step()
 

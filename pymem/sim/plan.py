@@ -7,7 +7,8 @@ csrc/plan_choice.h chooses by what the steps that followed each way brought back
 or ``cover`` (the cheapest cover of where the step overflows its budget: csrc/plan_cover.h).
 
 A replay is one step, so ``replay_planned`` replays the runtime's sequence of steps with the same
-C++ (``_C.learned_releases``, ``_C.cover_releases``, ``_C.PlanChoice``): the unplanned step, each
+C++ (``_C.learned_releases``, ``_C.cover_releases``, ``_C.PlanChoice``; the runtime's measure: the
+op costs of what came back plus the compactions' moves): the unplanned step, each
 way's trial steps, then the step the choice settles on, which the runtime then repeats. It
 reports that last step. Every step replayed must fit: the runtime raises at the first that does
 not, so the first replay that runs out of budget is the result.
@@ -39,7 +40,8 @@ def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
 def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     """The step the runtime settles on with ``plan="auto"`` (``Simulator``'s keywords), with
     ``plan_releases`` ("learned" or "cover": how it was planned) and ``plan_steps`` (each step
-    replayed on the way: its plan, status, overhead and the seconds it brought values back for)."""
+    replayed on the way: its plan, status, overhead, and the seconds it brought values back and
+    moved blocks for: the choice's measure, as the runtime's)."""
     kw.pop("plan", None)
     first = Simulator(trace, budget, plan="off", **kw)  # the runtime's first step: no plan yet
     step = step_arrays(trace, first.seconds)
@@ -51,7 +53,7 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
         out = sim.run()
         cost = _C.comeback_cost(dict(step, back_at=sim.events["back_at"], back_value=sim.events["back_value"]))
         return out, sim.events, {"plan": how, "status": out["status"], "overhead": out["overhead"],
-                                 "comeback_seconds": cost}
+                                 "comeback_seconds": cost, "compaction_seconds": out["compaction_seconds"]}
 
     out, learned_from, summary = run(first, "none")
     steps.append(summary)
@@ -69,5 +71,5 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
             releases = _C.learned_releases(step, learned_from)
             out, learned_from, summary = run(Simulator(trace, budget, plan="auto", releases=releases, **kw), how)
         steps.append(dict(summary))
-        choice.measured(how, summary["comeback_seconds"])
+        choice.measured(how, summary["comeback_seconds"] + summary["compaction_seconds"])
     return dict(out, plan_releases=steps[-1]["plan"], plan_steps=steps)
