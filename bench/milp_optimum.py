@@ -11,9 +11,14 @@ holds first. Stage t computes node t; R[t,i]: node i is (re)computed in stage t;
 values are kept from stage t-1 into t; U[t,k]: memory after node k in stage t; FREE[t,i,k]: i's
 values are freed after node k (Checkmate's linearized hazards). Values with no recipe (made by
 backward ops, or alive at the step's end) are never recomputed: a node that is not recomputable is
-kept until its last reader (its end, if alive then). Minimise the total compute; the optimum's
+kept until the program frees it (its end, if alive then). Minimise the total compute; the optimum's
 recompute = that minus the step's own compute. Each policy's recompute in the simulator at the same
-budget is then a multiple of it.
+budget (plan off, and plan auto: the step the runtime's plan settles on) is then a multiple of it.
+
+Checkmate may keep a value past the point where the program frees it (a pre-activation, kept so
+that the activation made from it is recomputed cheaply); a runtime that only ever releases what
+the program holds (DTR, Capuchin, pymem) cannot. ``milp_release_only`` is the optimum without
+that: no value kept past its free. The gap between the two optima is what retention would buy.
 
 Views and in-place ops are left out (the traces here have none that make values); a trace with
 in-place ops is refused.
@@ -28,18 +33,21 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def graph_of(trace, seconds):
-    """(nodes' bytes, costs, deps, recomputable, alive at the end, constant bytes) of a trace."""
+    """(nodes' bytes, costs, deps, recomputable, alive at the end, constant bytes, freed) of a
+    trace; freed[i]: the last node computed before the program frees node i's values (n - 1:
+    never)."""
     if (trace.value_overwrites >= 0).any():
         raise ValueError("the MILP takes traces without in-place ops")
     align = 512
     size = -(-trace.value_bytes // align) * align
     node_of_value = {}
-    mem, cost, deps, recomp, keep = [], [], [], [], []
+    mem, cost, deps, recomp, keep, op_of = [], [], [], [], [], []
     for k in range(trace.num_ops):
         outs = trace.op_outputs(k)
         if len(outs) == 0:
             continue
         n = len(mem)
+        op_of.append(k)
         for v in outs:
             node_of_value[int(v)] = n
         mem.append(int(size[outs].sum()))
@@ -48,12 +56,21 @@ def graph_of(trace, seconds):
         recomp.append(bool(trace.value_recomputable[outs].all()))
         keep.append(bool((trace.value_free_at[outs] < 0).any()))
     constant = int(size[trace.value_producer < 0].sum())
-    return mem, cost, deps, recomp, keep, constant
+    freed = []
+    for k in op_of:
+        f = trace.value_free_at[trace.op_outputs(k)]
+        last_op = trace.num_ops if (f < 0).any() else int(f.max())
+        freed.append(sum(1 for o in op_of if o <= last_op) - 1)
+    return mem, cost, deps, recomp, keep, constant, freed
 
 
-def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0):
+def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0, freed=None, release_only=False):
     """Checkmate's MILP. Returns {"status", "total", "recompute", "seconds"}; recompute None when
-    infeasible or not solved in time."""
+    infeasible or not solved in time. ``freed`` (graph_of's): where the program frees each node's
+    values; a value with no recipe is held until then. ``release_only``: no value is kept past
+    that point either, as a runtime that only ever releases what the program holds (DTR,
+    Capuchin, pymem) cannot; else Checkmate's own model, which may keep a recomputable value as
+    long as it likes."""
     import highspy
 
     n = len(mem)
@@ -86,8 +103,11 @@ def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0):
             fixed = 1 if i == t else (0 if not recomp[i] else None)
             R[t, i] = var(fixed if fixed is not None else 0, fixed if fixed is not None else 1, cost[i])
         for i in range(t):
-            must = (keep[i] or not recomp[i]) and (keep[i] or last_use[i] >= t)
-            S[t, i] = var(1 if must else 0, 1)
+            # What has no recipe stays while the program holds it: autograd frees a backward
+            # temporary when its node ends, not at its last read (a runtime cannot release it).
+            must = keep[i] or (not recomp[i] and max(last_use[i], freed[i] if freed is not None else -1) >= t)
+            gone = release_only and recomp[i] and not keep[i] and t > freed[i]
+            S[t, i] = var(1 if must else 0, 0 if gone and not must else 1)
     for t in range(1, n):  # kept only what was there in the stage before
         for i in range(t):
             terms = [(S[t, i], 1), (R[t - 1, i], -1)]
@@ -135,8 +155,10 @@ def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0):
     status = h.modelStatusToString(h.getModelStatus())
     info = h.getInfo()
     total = info.objective_function_value if status in ("Optimal", "Time limit reached") and info.primal_solution_status == 2 else None
+    x = h.getSolution().col_value if total is not None else None
+    recomputed = sorted(i for (t, i), c in R.items() if i < t and x[c] > 0.5) if x is not None else None
     return {"status": status, "total": total, "recompute": None if total is None else total - sum(cost),
-            "seconds": time.perf_counter() - t0, "nodes": n}
+            "seconds": time.perf_counter() - t0, "nodes": n, "recomputed_nodes": recomputed}
 
 
 def main(argv=None) -> int:
@@ -167,23 +189,29 @@ def main(argv=None) -> int:
         step()
         trace = capture(step)
         seconds = _op_seconds(trace, args.device)
-        mem, cost, deps, recomp, keep, constant = graph_of(trace, seconds)
+        mem, cost, deps, recomp, keep, constant, freed = graph_of(trace, seconds)
         peak = trace.peak_bytes()
         rows = {}
         for ratio in (0.8, 0.6, 0.5, 0.4):
             budget = int(peak * ratio)
-            opt = solve(mem, cost, deps, recomp, keep, budget - constant, args.time_limit)
-            row = {"milp": opt}
+            optima = {"milp": solve(mem, cost, deps, recomp, keep, budget - constant, args.time_limit, freed),
+                      "milp_release_only": solve(mem, cost, deps, recomp, keep, budget - constant, args.time_limit,
+                                                 freed, release_only=True)}
+            row = dict(optima)
             for p in args.policies.split(","):
-                r = simulate(trace, budget, policy=p, device=args.device)
-                row[p] = {"status": r["status"], "recompute_seconds": r["recompute_seconds"]}
-                if opt["recompute"] and r["status"] != "oom":
-                    row[p]["multiple_of_optimum"] = r["recompute_seconds"] / opt["recompute"]
+                for plan in ("off", "auto"):
+                    r = simulate(trace, budget, policy=p, plan=plan, device=args.device)
+                    e = row[f"{p}/{plan}"] = {"status": r["status"], "recompute_seconds": r["recompute_seconds"],
+                                              "plan_releases": r.get("plan_releases")}
+                    for key, opt in optima.items():
+                        if opt["recompute"] and r["status"] != "oom":
+                            e[f"multiple_of_{key}"] = r["recompute_seconds"] / opt["recompute"]
             rows[ratio] = row
-            print(f"{name} at {ratio}: MILP {opt['status']} recompute {opt['recompute']} "
-                  f"({opt['seconds']:.1f} s, {opt['nodes']} nodes); "
-                  + ", ".join(f"{p} {row[p]['recompute_seconds'] * 1e3:.3f} ms" if row[p]["status"] != "oom" else f"{p} oom"
-                              for p in args.policies.split(",")), flush=True)
+            print(f"{name} at {ratio}: " + "; ".join(
+                f"{key} {opt['status']} recompute {opt['recompute'] and opt['recompute'] * 1e3:.3f} ms ({opt['seconds']:.0f} s)"
+                if opt["recompute"] is not None else f"{key} {opt['status']}" for key, opt in optima.items()), flush=True)
+            print("  " + ", ".join(f"{k} {v['recompute_seconds'] * 1e3:.3f} ms" if v["status"] != "oom" else f"{k} oom"
+                                   for k, v in row.items() if "/" in k), flush=True)
         out["traces"][name] = {"ops": trace.num_ops, "nodes": len(mem), "peak_bytes": peak, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:

@@ -178,6 +178,42 @@ def test_an_early_release_happens_right_after_its_op_and_comes_back_for_the_next
         Simulator(t, 1 << 30, device=None, releases=[(2, 2)])
 
 
+def _read_again_after_a_busy_middle():
+    """x0..x3 (leaves, 1 MiB) read by op 0; 16 ops that each make a 3 MiB temporary, freed at once;
+    then ops that read x0..x3 one at a time. 0.25 s per op; at 1 MiB/s a copy takes 1 s."""
+    ops = [("a", 0.25, [0, 1, 2, 3], [4])]
+    values = [(MiB, -1, 0, -1)] * 4 + [(1024, 0, 1, -1)]
+    for _ in range(16):
+        ops.append(("t", 0.25, [4], [len(values)]))
+        values.append((3 * MiB, len(ops) - 1, 1, len(ops) - 1))
+    for j in range(4):
+        ops.append(("r", 0.25, [j], [len(values)]))
+        values.append((1024, len(ops) - 1, 1, -1))
+    return _trace(ops, values)
+
+
+def test_a_copy_back_in_flight_is_given_up_for_room_and_not_started_again_into_it():
+    # The x's go to the host for the temporaries; a copy back started between two of them is
+    # given up when the next temporary needs its room (waited for, as swap.cancel_one waits),
+    # and copies back then leave that room free: a handful of cancels, not one per temporary.
+    out = simulate(_read_again_after_a_busy_middle(), 5 * MiB, policy="lru", offload="always", device=None,
+                   link_bytes_per_s=MiB)
+    assert out["status"] != "oom" and out["offloads"] >= 4
+    assert 1 <= out["prefetches_cancelled"] <= 2
+
+
+def test_a_late_copy_back_starts_earlier_in_the_steps_after():
+    lead = {}
+    late = []
+    for _ in range(3):  # steps following a plan, as pymem/sim/plan.py replays them
+        out = Simulator(_read_again_after_a_busy_middle(), 5 * MiB, policy="lru", plan="auto", offload="always",
+                        device=None, link_bytes_per_s=MiB, lead=lead).run()
+        late.append(out["late_uses"])
+        if out["late_uses"]:
+            assert max(lead.values()) == 2.0 ** len([n for n in late if n])  # doubled per late step
+    assert late[0] >= 1 and lead
+
+
 # --- the GPU cost model -----------------------------------------------------------------------
 def test_op_seconds_on_a_gpu():
     t = _cheap_and_costly()

@@ -177,7 +177,14 @@ def test_a_prefetch_in_flight_is_given_up_under_pressure():
         big = torch.empty(5 * MiB // 8, dtype=torch.float32)
         stats = pymem.memory_stats()
         assert stats["num_prefetches_cancelled"] == 1 and stats["allocated_bytes.peak"] <= 4 * MiB
+        # The room `big` needed stays free of prefetches for the rest of the step: started into it
+        # again, the copy would be given up (and waited for) at the next such allocation.
         del big
+        leaf[:4] * 3
+        assert not rt.swap.in_flight
+        pymem.step()  # a new step: prefetches may use all free room again
+        leaf[:4] * 3
+        assert rt.swap.in_flight or not pymem.is_evicted(a)  # started (or already adopted) at once
         assert torch.equal(a.detach() + 0, torch.full((MiB // 4,), 2.0))  # back from its host copy
         assert torch.equal(s, torch.full((4,), 2.0))
     finally:

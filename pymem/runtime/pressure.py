@@ -114,9 +114,9 @@ class PressureHandler:
             rt.sweep()  # values whose last tensor died are freed already: count them as evicted
         if self.uses_window:
             if not self._release_window(request) and not compact_for(rt, request):
-                self._release_lowest()
+                self._release_lowest(request)
         elif self._freed < request:
-            freed = self._release_lowest()
+            freed = self._release_lowest(request)
             self._freed += freed
             if not freed:  # nothing left to release: the free bytes may still be enough together
                 compact_for(rt, request)
@@ -189,7 +189,9 @@ class PressureHandler:
             return None
         return self.scan.scores(records, *self._scan_state())
 
-    def _release_lowest(self) -> int:
+    def _release_lowest(self, request: int = 0) -> int:
+        """Release the lowest-scoring value (a waited-on one last; a prefetch in flight as the last
+        resort, given up for ``request``). Returns the bytes freed."""
         rt = self.rt
         now, evaluate = rt.clock, rt.policy.evaluate
         best = self._lowest_scoring()
@@ -200,7 +202,7 @@ class PressureHandler:
                 if k < best_key:
                     best, best_key = r, k
         if best is None:  # last resort: a prefetch's buffer, still filling
-            return rt.swap.cancel_one() if rt.swap is not None else 0
+            return rt.swap.cancel_one(request) if rt.swap is not None else 0
         if rt.residency.plan is not None and rt.trace.following:
             self.num_planned += 1
         rt.residency.release(best)

@@ -303,6 +303,10 @@ class Swapper:
         self.bandwidth = bandwidth
         self.prefetch_enabled = prefetch
         self.headroom = headroom
+        # After a prefetch was given up for an allocation, prefetches leave that allocation's bytes
+        # free too, until the step ends: started into the same room again, each would be waited
+        # for and given up again at the next such allocation (a loop of exposed copies).
+        self.backoff = 0
         self.host = HostMemory(rt.device, rt.budget, host_budget)
         self.copier = _CudaCopier(rt.device, self.host) if rt.device.type == "cuda" else _CpuCopier()
         # Offloaded values the plan places: (position of next read, tie-break, weakref), a heap; and
@@ -366,7 +370,8 @@ class Swapper:
 
     def end_step(self) -> None:
         """The plan's positions were this step's: what is still queued by them waits, newest last,
-        with the values the plan could not place."""
+        with the values the plan could not place. Prefetches may use all free room again."""
+        self.backoff = 0
         if self.planned:
             self.offloaded.extend(w for _, _, w in sorted(self.planned))
             self.planned.clear()
@@ -443,7 +448,7 @@ class Swapper:
                 if d is not None and d > _LEAD * self.lead.get(r.trace_value, 1.0) * r.swap_cost:
                     return
             # Best fit takes the largest free block last: a contiguous headroom stays either way.
-            if arena.largest_free_block < r.nbytes + self.headroom:
+            if arena.largest_free_block < r.nbytes + self.headroom + self.backoff:
                 return
             heapq.heappop(planned) if planned else stack.pop()
             # Fits: no pressure, nothing released for it. Placed with the cheap blocks: a host copy
@@ -468,9 +473,10 @@ class Swapper:
         if s is not None and r.evicted and s.alive:  # else no tensor wants it any more: dropped
             self.rt.residency.bring_back(r, buf, self.rt.clock, how)
 
-    def cancel_one(self) -> int:
-        """Pressure, and nothing else to release: give up a copy in flight (waits for it). Returns
-        the bytes freed."""
+    def cancel_one(self, request: int = 0) -> int:
+        """Pressure, and nothing else to release: give up a copy in flight (waits for it), and
+        leave ``request`` bytes (what was being allocated) free of prefetches for the rest of the
+        step. Returns the bytes freed."""
         if not self.in_flight:
             return 0
         r = next(iter(self.in_flight))
@@ -479,6 +485,7 @@ class Swapper:
         if self.rt.device.type == "cuda":
             torch.cuda.current_stream(self.rt.device).synchronize()
         self.num_prefetches_cancelled += 1
+        self.backoff = max(self.backoff, request)
         self._queue(r)
         del buf
         return r.nbytes

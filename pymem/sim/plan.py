@@ -14,7 +14,8 @@ reports that last step. Every step replayed must fit: the runtime raises at the 
 not, so the first replay that runs out of budget is the result.
 
 The cover depends only on the program and the budget, so its steps replay the same: each distinct
-step is replayed once.
+step is replayed once. (The prefetch feedback carried from step to step, swap.py's, changes only
+where values are offloaded, and there the runtime plans learned only.)
 """
 from typing import Dict, List, Optional, Tuple
 
@@ -43,6 +44,8 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     replayed on the way: its plan, status, overhead, and the seconds it brought values back and
     moved blocks for: the choice's measure, as the runtime's)."""
     kw.pop("plan", None)
+    lead: Dict[int, float] = {}  # swap.py's prefetch feedback, carried from step to step
+    kw["lead"] = lead
     first = Simulator(trace, budget, plan="off", **kw)  # the runtime's first step: no plan yet
     step = step_arrays(trace, first.seconds)
     cover_allowed = kw.get("offload", "never") == "never"  # offloading: the runtime plans learned only

@@ -18,11 +18,17 @@ simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, 
 - costs: an op's seconds from the GPU cost model (``launch + max(flops / rate, bytes /
   bandwidth)``, pymem.gpus) or as the trace recorded them; a copy out is exposed (it completes
   before its buffer is reused); copies back run on one queue beside compute, started ahead of
-  use as swap.py starts them (the plan's next read first, ``_LEAD`` copy times ahead, at most
-  ``_PREFETCH_DEPTH`` in flight, only into free memory with the runtime's headroom), and an op
-  waits only for what is left of its inputs' copies: ``copy_seconds_hidden`` is the rest.
+  use as swap.py starts them (the plan's next read first, ``_LEAD`` copy times ahead, further for
+  a value whose use waited in an earlier step, at most ``_PREFETCH_DEPTH`` in flight, only into
+  free memory with the runtime's headroom; under pressure with nothing else to release, one in
+  flight is waited for and given up, and prefetches leave that request's room free after), and an
+  op waits only for what is left of its inputs' copies: ``copy_seconds_hidden`` is the rest.
 
-Overhead = (the step's own seconds + recomputes + exposed copies) / the step's own seconds.
+A compaction's moves are copies on the device (``launch + bytes / (memory bandwidth / 2)`` each: read
+and written), on the compute stream. With ``releases`` (a step plan's: pymem/sim/plan.py) values are
+also released right after the op the plan names, as ``runtime.release_planned`` does.
+
+Overhead = (the step's own seconds + recomputes + exposed copies + moves) / the step's own seconds.
 Deterministic: nothing here reads a timer or a random number.
 """
 import bisect
@@ -38,7 +44,7 @@ from .. import compaction_plan, restore_order
 from ..errors import OutOfBudgetError
 from ..gpus import LAUNCH_SECONDS, gpu_cost_model, gpu_spec
 from ..policies import EvictedNeighbourhood, Planned, get_director, get_policy
-from ..runtime.swap import _LEAD, _PREFETCH_DEPTH
+from ..runtime.swap import _LEAD, _MAX_LEAD_BOOST, _PREFETCH_DEPTH
 from .trace import Trace
 
 NEW, RESIDENT, EVICTED, OFFLOADED, GONE = range(5)
@@ -110,7 +116,8 @@ class Simulator:
 
     def __init__(self, trace: Trace, budget: int, policy: str = "dtr", offload: str = "never", plan: str = "off",
                  device: Optional[str] = "h100", search: str = "handler", link_bytes_per_s: Optional[float] = None,
-                 prefetch: bool = True, releases: Sequence[Tuple[int, int]] = (), releases_chains: bool = False) -> None:
+                 prefetch: bool = True, releases: Sequence[Tuple[int, int]] = (), releases_chains: bool = False,
+                 lead: Optional[Dict[int, float]] = None) -> None:
         if plan not in ("auto", "off"):
             raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
         if releases and plan != "auto":
@@ -182,6 +189,12 @@ class Simulator:
         self.away_stack: List[int] = []
         self.in_flight: Dict[int, float] = {}
         self.h2d_free = 0.0   # when the copy-back queue is next idle
+        # swap.py's feedback: a value whose use waited for its copy back starts it twice as far
+        # ahead in the steps after (kept across the steps pymem/sim/plan.py replays).
+        self.lead: Dict[int, float] = {} if lead is None else lead
+        self.late_uses = 0
+        self.prefetches_cancelled = 0
+        self.prefetch_backoff = 0  # bytes a cancelled prefetch's request needed: left free after
         self.copy_hidden = 0.0
         self.prefetches = 0
 
@@ -282,9 +295,10 @@ class Simulator:
             if not self._worth_prefetching(v):
                 heapq.heappop(planned) if planned else stack.pop()
                 continue
-            if planned and self.before[planned[0][0]] - self.before[self.position] > _LEAD * v.swap_cost:
+            if planned and self.before[planned[0][0]] - self.before[self.position] > \
+                    _LEAD * self.lead.get(v.index, 1.0) * v.swap_cost:
                 return
-            if self.arena.largest_free_block < v.nbytes + self.headroom:
+            if self.arena.largest_free_block < v.nbytes + self.headroom + self.prefetch_backoff:
                 return
             heapq.heappop(planned) if planned else stack.pop()
             self._allocate(v)  # fits: no pressure
@@ -296,6 +310,8 @@ class Simulator:
     def _arrive(self, v: _Value) -> None:
         """v was copied back ahead of use and is read now: wait for what is left of its copy."""
         wait = max(0.0, v.ready_at - self.clock)
+        if wait > 0:
+            self._late(v)
         self._spend_copy(wait)
         self.copy_hidden += v.swap_cost - wait
         self.in_flight.pop(v.index, None)
@@ -307,6 +323,12 @@ class Simulator:
         if self.trace.value_producer[v.index] >= 0:
             self.events[what + "_at"].append(at)
             self.events[what + "_value"].append(v.index)
+
+    def _late(self, v: _Value) -> None:
+        """swap._late: a use waited for v's copy back; where a plan placed it, start it earlier."""
+        if self.planned:
+            self.late_uses += 1
+            self.lead[v.index] = min(self.lead.get(v.index, 1.0) * 2.0, _MAX_LEAD_BOOST)
 
     def _spend_copy(self, seconds: float) -> None:
         self.copy_seconds += seconds
@@ -323,18 +345,18 @@ class Simulator:
             self._allocs, self._freed = allocs, 0
         if self.uses_window:
             if not self._release_window(request) and not self._compact(request):
-                self._release_lowest()
+                self._release_lowest(request)
         elif self._freed < request:
-            freed = self._release_lowest()
+            freed = self._release_lowest(request)
             self._freed += freed
             if not freed:
                 self._compact(request)
         elif not self._compact(request):
             self._release_window(request)
 
-    def _release_lowest(self) -> int:
+    def _release_lowest(self, request: int = 0) -> int:
         """pressure._release_lowest: the lowest score among values no restore waits for; else the
-        waited-on value read last."""
+        waited-on value read last; else, as a last resort, a copy back still in flight."""
         evaluate, now = self.policy.evaluate, self.clock
         best, best_key = None, (math.inf, math.inf)
         for v in self.by_addr.values():
@@ -342,7 +364,28 @@ class Simulator:
                 k = (v.waits > 0 and v.need_rank, evaluate(v, now))
                 if k < best_key:
                     best, best_key = v, k
-        return self._release(best) if best is not None else 0
+        if best is None:
+            return self._cancel_prefetch(request)
+        return self._release(best)
+
+    def _cancel_prefetch(self, request: int) -> int:
+        """swap.cancel_one: the oldest copy back in flight is waited for and its buffer given up;
+        the value waits on the host again, and prefetches leave room for ``request`` from now on."""
+        for i in self.in_flight:
+            v = self.values[i]
+            if v.locks == 0:
+                break
+        else:
+            return 0
+        del self.in_flight[i]
+        self._spend_copy(max(0.0, v.ready_at - self.clock))
+        v.ready_at = 0.0
+        self._free(v)
+        v.state = OFFLOADED
+        self._queue(v)
+        self.prefetches_cancelled += 1
+        self.prefetch_backoff = max(self.prefetch_backoff, request)
+        return v.nbytes
 
     def _release_window(self, request: int) -> bool:
         cost, now = self.policy.block_cost, self.clock
@@ -406,6 +449,7 @@ class Simulator:
         from its producer's inputs (resident now; locked while it runs)."""
         self._note("back", self.position, v)
         if v.state == OFFLOADED:
+            self._late(v)
             self._allocate(v)
             done = max(self.clock, self.h2d_free) + v.swap_cost
             self.h2d_free = done
@@ -524,7 +568,8 @@ class Simulator:
                "fragmentation": float(st["fragmentation.pressure"]), "evictions": self.evictions,
                "offloads": self.offloads, "offloaded_bytes": self.offloaded_bytes, "recompute_seconds": self.recompute_seconds,
                "copy_seconds_hidden": self.copy_hidden, "copy_seconds_exposed": self.copy_seconds,
-               "prefetches": self.prefetches,
+               "prefetches": self.prefetches, "prefetches_cancelled": self.prefetches_cancelled,
+               "late_uses": self.late_uses,
                "step_seconds": base, "recomputes": self.recomputes, "copies_back": self.copies_back,
                "compactions": int(st["num_compactions"]), "moved_bytes": int(st["moved_bytes"]),
                "compaction_seconds": self.move_seconds, "planned_releases": self.planned_releases,
