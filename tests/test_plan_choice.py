@@ -4,8 +4,7 @@ the simulator (csrc/step_plan.h)."""
 import pytest
 
 import pymem
-
-KB = 1024
+from test_plan_cover import _step
 
 
 def _choices(costs, steps=12, cover_allowed=True):
@@ -49,19 +48,7 @@ def test_a_bad_way_is_a_clear_error():
 
 def _chain(n):
     """x (0) before the step; value k+1 = f(value k) for k < n; then one op reads value 1 again."""
-    s = {"op": [], "op_cost": [], "inputs_start": [0], "inputs": [], "outputs_start": [0], "outputs": [],
-         "value_bytes": [KB], "value_producer": [-1], "value_recomputable": [0]}
-    for k in range(n + 1):
-        s["op"].append(k)
-        s["op_cost"].append(1.0)
-        s["inputs"].append(k if k < n else 1)
-        s["inputs_start"].append(len(s["inputs"]))
-        s["outputs"].append(k + 1)
-        s["outputs_start"].append(len(s["outputs"]))
-        s["value_bytes"].append(KB)
-        s["value_producer"].append(k)
-        s["value_recomputable"].append(1)
-    return s
+    return _step([(1, [k]) for k in range(n)] + [(1, [1])])
 
 
 def test_learned_releases_move_a_release_to_the_last_use_before_it():
