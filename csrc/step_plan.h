@@ -33,6 +33,7 @@
 
 #include "step_arrays.h"
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <utility>
@@ -62,6 +63,8 @@ class StepPlan {
   double seconds_to_next_use(int32_t v, size_t k) const;
   // The position of that op (the step's length when none; -1 when v is not one of the plan's values).
   int64_t next_use_at(int32_t v, size_t k) const;
+  // Planned seconds of the ops before position k (k past the step's end: the whole step).
+  double seconds_before(size_t k) const { return before_.empty() ? 0.0 : before_[std::min(k, before_.size() - 1)]; }
 
   // Values to release right after op k; whether value v is one at some position.
   std::pair<const int32_t*, const int32_t*> due_after(size_t k) const;

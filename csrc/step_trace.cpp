@@ -271,6 +271,11 @@ int64_t StepTrace::next_use_at(const RecordObject* r) const {
   return plan_.next_use_at(static_cast<int32_t>(r->trace_value), current_.op.size());
 }
 
+double StepTrace::planned_seconds_before(int64_t position) const {
+  if (!following_) return -1.0;
+  return plan_.seconds_before(position < 0 ? current_.op.size() : static_cast<size_t>(position));
+}
+
 StepTrace* as_step_trace(py::handle o) {
   if (o.is_none()) return nullptr;
   return &o.cast<StepTrace&>();
@@ -352,6 +357,15 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           },
           py::arg("record"),
           "The step position of the op that next reads the record's value (inf: none in this step); None: unknown.")
+      .def(
+          "planned_seconds_before",
+          [](const StepTrace& t, int64_t position) -> py::object {
+            const double s = t.planned_seconds_before(position);
+            return s < 0 ? py::object(py::none()) : py::object(py::float_(s));
+          },
+          py::arg("position") = -1,
+          "Planned seconds of the ops before `position` in this step (default: the op running or next); None: not "
+          "following a plan.")
       .def("last_step", [](const StepTrace& t) { return as_dict(t.last()); },
            "The last complete step's arrays (copies; see csrc/step_trace.h for their meaning).");
   m.def(

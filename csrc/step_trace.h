@@ -72,6 +72,9 @@ class StepTrace {
   // The position in the step of that next read (the plan's length: none); negative when unknown.
   // Fixed while r's value is away (nothing reads it then), so it orders copies back (swap.py).
   int64_t next_use_at(const RecordObject* r) const;
+  // Planned seconds of the ops before `position` (the current one when negative), to place copies
+  // back on the plan's clock; negative when not following a plan.
+  double planned_seconds_before(int64_t position) const;
   // The bytes the step's values may occupy (the arena's budget), for plans that cover it; 0: none.
   int64_t budget() const { return budget_; }
   void set_budget(int64_t bytes);

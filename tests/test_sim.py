@@ -13,6 +13,7 @@ from pymem import cli
 from pymem.cost_model import CostModel
 from pymem.gpus import LAUNCH_SECONDS, gpu_spec
 from pymem.sim import Trace, TraceError, capture, from_step_arrays
+from pymem.runtime.swap import latest_start
 from pymem.sim.replay import Simulator, _op_seconds, simulate
 from pymem.sim.simrd import load_simrd, read_simrd
 
@@ -212,6 +213,33 @@ def test_a_late_copy_back_starts_earlier_in_the_steps_after():
         if out["late_uses"]:
             assert max(lead.values()) == 2.0 ** len([n for n in late if n])  # doubled per late step
     assert late[0] >= 1 and lead
+
+
+def test_copies_back_queued_behind_each_other_start_early_enough_for_the_last_read():
+    # Eight leaves of 0.5 MiB go out for a 4.5 MiB temporary, then come back for eight reads in a
+    # row after a calm stretch. Each copy takes two ops' time on one queue: started three copy
+    # times before its own read (the head's trigger alone), the later ones come late; counting
+    # the copies queued before each read (swap.latest_start), none does.
+    nx = 8
+    ops = [("a", 0.25, list(range(nx)), [nx]), ("t", 0.25, [nx], [nx + 1])]
+    values = [(MiB // 2, -1, 0, -1)] * nx + [(1024, 0, 1, -1), (9 * MiB // 2, 1, 1, 1)]
+    for name, reads in [("c", [nx])] * 40 + [("r", [j]) for j in range(nx)]:
+        ops.append((name, 0.25, reads, [len(values)]))
+        values.append((1024, len(ops) - 1, 1, -1))
+    t = _trace(ops, values)
+    sim = Simulator(t, 5 * MiB, policy="lru", plan="auto", offload="always", device=None, link_bytes_per_s=MiB)
+    out = sim.run()
+    assert out["status"] == "ok" and out["offloads"] == nx and out["prefetches"] == nx and out["late_uses"] == 0
+    head_only = Simulator(t, 5 * MiB, policy="lru", plan="auto", offload="always", device=None, link_bytes_per_s=MiB)
+    head_only._behind = lambda margin: False
+    assert head_only.run()["late_uses"] > 0
+
+
+def test_latest_start_counts_the_copies_queued_before_each_read():
+    # Reads at 10, 10.5 and 11 s, copies of 1 s each: the third needs all three copies first.
+    assert latest_start([(10.0, 1.0), (10.5, 1.0), (11.0, 1.0)]) == 8.0
+    assert latest_start([(10.0, 1.0)]) == 9.0
+    assert latest_start([]) == float("inf")
 
 
 # --- the GPU cost model -----------------------------------------------------------------------

@@ -27,6 +27,7 @@ import collections
 import concurrent.futures
 import heapq
 import itertools
+import math
 import threading
 import time
 import weakref
@@ -44,6 +45,19 @@ _MIN_CHUNK, _MAX_CHUNK = 2 << 20, 256 << 20  # the host pool's chunk, bounds
 _LEAD = 3.0  # a planned copy back starts when its value's read is this many copy times away
 _MAX_LEAD_BOOST = 64.0  # at most this many times further ahead after late uses (feedback)
 _NONE = float("inf")  # StepTrace.next_use_at: no read left in the step
+_BACKLOG_READS = 256  # planned reads the in-trigger looks ahead at (copies queue one after another)
+
+
+def latest_start(reads) -> float:
+    """The plan's clock by which the next copy back must start for every read of ``reads``
+    ((planned seconds before the read, seconds of its copy), in read order, copied one after
+    another on one queue) to find its value back: the least of each read's time less the copies
+    up to and including its own."""
+    queued, latest = 0.0, math.inf
+    for at, seconds in reads:
+        queued += seconds
+        latest = min(latest, at - queued)
+    return latest
 
 
 class HostMemory:
@@ -313,6 +327,7 @@ class Swapper:
         # the others, oldest first (weak: one nobody needs any more is not brought back).
         self.planned: List[Tuple[int, int, weakref.ref]] = []
         self._ties = itertools.count()
+        self._latest: Optional[float] = None  # latest_start of the planned queue; None: to compute
         self.offloaded: List[weakref.ref] = []
         self._prune_at = 4096
         self.in_flight: Dict[Record, tuple] = {}  # record -> (device buffer, copy handle)
@@ -363,6 +378,7 @@ class Swapper:
         at = plan.next_use_at(r) if plan is not None else None
         if at is not None and at != _NONE:
             heapq.heappush(self.planned, (at, next(self._ties), weakref.ref(r)))
+            self._latest = None
             return
         self.offloaded.append(weakref.ref(r))
         if len(self.offloaded) > self._prune_at:
@@ -372,6 +388,7 @@ class Swapper:
         """The plan's positions were this step's: what is still queued by them waits, newest last,
         with the values the plan could not place. Prefetches may use all free room again."""
         self.backoff = 0
+        self._latest = None
         if self.planned:
             self.offloaded.extend(w for _, _, w in sorted(self.planned))
             self.planned.clear()
@@ -440,17 +457,24 @@ class Swapper:
             r = planned[0][2]() if planned else stack[-1]()
             if r is None or not self._worth_prefetching(r):
                 heapq.heappop(planned) if planned else stack.pop()
+                self._latest = None
                 continue
             if planned and plan is not None:
                 # In-trigger: not before its read is a few copies away (a value the plan released
-                # early stays away until then); None: the step left its plan, bring it when it fits.
+                # early stays away until then), unless the copies queued behind it would then come
+                # too late for their reads; None: the step left its plan, bring it when it fits.
                 d = plan.seconds_to_next_use(r)
-                if d is not None and d > _LEAD * self.lead.get(r.trace_value, 1.0) * r.swap_cost:
+                margin = _LEAD * self.lead.get(r.trace_value, 1.0) * r.swap_cost
+                if d is not None and d > margin and not self._behind(plan, margin - r.swap_cost):
                     return
             # Best fit takes the largest free block last: a contiguous headroom stays either way.
             if arena.largest_free_block < r.nbytes + self.headroom + self.backoff:
                 return
-            heapq.heappop(planned) if planned else stack.pop()
+            if planned:
+                heapq.heappop(planned)
+                self._latest = None
+            else:
+                stack.pop()
             # Fits: no pressure, nothing released for it. Placed with the cheap blocks: a host copy
             # makes it free to release, and long-lived blocks should not settle around it.
             previous = _C.set_allocation_class("cheap")
@@ -460,6 +484,25 @@ class Swapper:
                 _C.set_allocation_class(previous)
             with own_work():
                 self.in_flight[r] = (buf, self.copier.start(buf, r.host))
+
+    def _behind(self, plan, margin: float) -> bool:
+        """Whether the queue of planned copies back is so long that the next must start now: some
+        read among the next ones would wait otherwise, by the plan's clock, after the copies in
+        flight (counted whole). ``margin``: the slack the head's own trigger keeps."""
+        now = plan.planned_seconds_before()
+        if now is None:
+            return False
+        if self._latest is None:  # fixed until the queue changes: the reads are plan positions
+            reads = []
+            for at, _, w in heapq.nsmallest(_BACKLOG_READS, self.planned):
+                q = w()
+                t = plan.planned_seconds_before(at) if q is not None and self._worth_prefetching(q) else None
+                if t is not None:
+                    reads.append((t, q.swap_cost))
+            self._latest = latest_start(reads)
+        done = self.copier.done
+        busy = sum(q.swap_cost for q, (_, h) in self.in_flight.items() if not done(h))
+        return self._latest - now - busy <= margin
 
     def _worth_prefetching(self, r: Record) -> bool:
         """Offloaded, not back yet, and a tensor still holds its storage (so some later op may read

@@ -19,7 +19,8 @@ simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, 
   bandwidth)``, pymem.gpus) or as the trace recorded them; a copy out is exposed (it completes
   before its buffer is reused); copies back run on one queue beside compute, started ahead of
   use as swap.py starts them (the plan's next read first, ``_LEAD`` copy times ahead, further for
-  a value whose use waited in an earlier step, at most ``_PREFETCH_DEPTH`` in flight, only into
+  a value whose use waited in an earlier step, or sooner when the copies queued behind it would
+  otherwise come late, at most ``_PREFETCH_DEPTH`` in flight, only into
   free memory with the runtime's headroom; under pressure with nothing else to release, one in
   flight is waited for and given up, and prefetches leave that request's room free after), and an
   op waits only for what is left of its inputs' copies: ``copy_seconds_hidden`` is the rest.
@@ -44,7 +45,7 @@ from .. import compaction_plan, restore_order
 from ..errors import OutOfBudgetError
 from ..gpus import LAUNCH_SECONDS, gpu_cost_model, gpu_spec
 from ..policies import EvictedNeighbourhood, Planned, get_director, get_policy
-from ..runtime.swap import _LEAD, _MAX_LEAD_BOOST, _PREFETCH_DEPTH
+from ..runtime.swap import _BACKLOG_READS, _LEAD, _MAX_LEAD_BOOST, _PREFETCH_DEPTH, latest_start
 from .trace import Trace
 
 NEW, RESIDENT, EVICTED, OFFLOADED, GONE = range(5)
@@ -188,6 +189,7 @@ class Simulator:
         self.away_planned: List[tuple] = []
         self.away_stack: List[int] = []
         self.in_flight: Dict[int, float] = {}
+        self._latest: Optional[float] = None  # swap.latest_start of away_planned; None: to compute
         self.h2d_free = 0.0   # when the copy-back queue is next idle
         # swap.py's feedback: a value whose use waited for its copy back starts it twice as far
         # ahead in the steps after (kept across the steps pymem/sim/plan.py replays).
@@ -276,6 +278,7 @@ class Simulator:
         i = bisect.bisect_left(r, self.position)
         if self.planned and i < len(r):
             heapq.heappush(self.away_planned, (r[i], v.index))
+            self._latest = None
         else:
             self.away_stack.append(v.index)
 
@@ -294,18 +297,31 @@ class Simulator:
             v = self.values[planned[0][1] if planned else stack[-1]]
             if not self._worth_prefetching(v):
                 heapq.heappop(planned) if planned else stack.pop()
+                self._latest = None
                 continue
-            if planned and self.before[planned[0][0]] - self.before[self.position] > \
-                    _LEAD * self.lead.get(v.index, 1.0) * v.swap_cost:
-                return
+            if planned:
+                margin = _LEAD * self.lead.get(v.index, 1.0) * v.swap_cost
+                if self.before[planned[0][0]] - self.before[self.position] > margin and \
+                        not self._behind(margin - v.swap_cost):
+                    return
             if self.arena.largest_free_block < v.nbytes + self.headroom + self.prefetch_backoff:
                 return
             heapq.heappop(planned) if planned else stack.pop()
+            self._latest = None
             self._allocate(v)  # fits: no pressure
             start = max(self.clock, self.h2d_free)
             v.ready_at = self.h2d_free = start + v.swap_cost
             self.in_flight[v.index] = v.ready_at
             self.prefetches += 1
+
+    def _behind(self, margin: float) -> bool:
+        """swap._behind: the planned copies back queued are so many that the next must start now."""
+        if self._latest is None:
+            self._latest = latest_start((self.before[at], self.values[i].swap_cost)
+                                        for at, i in heapq.nsmallest(_BACKLOG_READS, self.away_planned)
+                                        if self._worth_prefetching(self.values[i]))
+        busy = sum(self.values[i].swap_cost for i, t in self.in_flight.items() if t > self.clock)
+        return self._latest - self.before[self.position] - busy <= margin
 
     def _arrive(self, v: _Value) -> None:
         """v was copied back ahead of use and is read now: wait for what is left of its copy."""
