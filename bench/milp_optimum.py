@@ -73,6 +73,8 @@ def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0, freed=None, r
     long as it likes."""
     import highspy
 
+    if release_only and freed is None:
+        raise ValueError("release_only needs freed (graph_of's): where the program frees each node")
     n = len(mem)
     users = [[] for _ in range(n)]
     for j, ds in enumerate(deps):

@@ -404,11 +404,14 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
   py::class_<PlanChoice>(m, "PlanChoice",
                          "How the step trace chooses to plan each step (csrc/plan_choice.h): 'learned' or 'cover'.")
       .def(py::init<>())
+      .def_property_readonly_static("TRIAL_STEPS", [](py::object) { return PlanChoice::kTrialSteps; },
+                                    "Steps each way is tried before the choice.")
       .def("reset", &PlanChoice::reset, "Forget what was measured (a new program, or another budget).")
       .def(
           "measured",
           [](PlanChoice& c, const std::string& ran, double cost) { c.measured(releases_arg(ran), cost); },
-          py::arg("ran"), py::arg("cost"), "A step that followed a `ran` plan whole brought values back for `cost` seconds.")
+          py::arg("ran"), py::arg("cost"),
+          "A step that followed a `ran` plan whole cost `cost` seconds of memory work (comebacks and moves).")
       .def(
           "next",
           [](PlanChoice& c, bool cover_allowed) { return releases_name(c.next(cover_allowed)); },

@@ -177,6 +177,19 @@ def test_an_early_release_happens_right_after_its_op_and_comes_back_for_the_next
     assert (sim.events["back_at"], sim.events["back_value"]) == ([14], [2])  # for the backward op reading it (8 + 6)
     with pytest.raises(ValueError, match="early releases come from a step plan"):
         Simulator(t, 1 << 30, device=None, releases=[(2, 2)])
+    with pytest.raises(ValueError, match=r"releases must be \(op position, value\) pairs of the trace"):
+        Simulator(t, 1 << 30, plan="auto", device=None, releases=[(2, 999)])
+
+
+def test_an_early_release_offloaded_comes_back_ahead_of_its_next_read_not_at_once():
+    # Offloaded after op 2 (it read a2 last there): its copy back is queued for its next read
+    # (op 14), so it starts a few copy times before that, and the prefetch is noted as a comeback
+    # there, as the runtime notes an adopted prefetch.
+    sim = Simulator(_forward_backward_chain(), 1 << 30, policy="dtr", plan="auto", offload="always", device=None,
+                    link_bytes_per_s=MiB, releases=[(2, 2)], releases_chains=True)
+    out = sim.run()
+    assert out["offloads"] == out["prefetches"] == 1 and out["late_uses"] == 0
+    assert (sim.events["back_at"], sim.events["back_value"]) == ([14], [2])
 
 
 def _read_again_after_a_busy_middle():
@@ -203,7 +216,7 @@ def test_a_copy_back_in_flight_is_given_up_for_room_and_not_started_again_into_i
     assert 1 <= out["prefetches_cancelled"] <= 2
 
 
-def test_a_late_copy_back_starts_earlier_in_the_steps_after():
+def test_a_late_copy_back_doubles_its_lead_for_the_steps_after():
     lead = {}
     late = []
     for _ in range(3):  # steps following a plan, as pymem/sim/plan.py replays them

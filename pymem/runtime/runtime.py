@@ -594,8 +594,9 @@ class Runtime(_C.RuntimeBase):
     def _moved_seconds(self) -> float:
         """What the compactions since the last step end moved, priced as a copy: what the plan's
         choice counts beside its comebacks (csrc/plan_choice.h). By the cost model's byte rate
-        (a move reads and writes its bytes), else at a host memory copy's timed rate (measured
-        costs are the CPU's, where a move is one)."""
+        (a move reads and writes its bytes), else at a host memory copy's timed rate (right on the
+        CPU, where measured costs are the default and a move is one; on CUDA, measured costs time
+        only launches, and moves are priced high by it)."""
         moved = self.backend.stats().get("moved_bytes", 0)
         delta, self._moved_at_step = moved - self._moved_at_step, moved
         if delta <= 0 or not self.trace.planning:

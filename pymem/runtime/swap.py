@@ -318,8 +318,9 @@ class Swapper:
         self.prefetch_enabled = prefetch
         self.headroom = headroom
         # After a prefetch was given up for an allocation, prefetches leave that allocation's bytes
-        # free too, until the step ends: started into the same room again, each would be waited
-        # for and given up again at the next such allocation (a loop of exposed copies).
+        # free too, until the step ends (or nothing waits on the host): started into the same room
+        # again, each would be waited for and given up at the next such allocation (a loop of
+        # exposed copies).
         self.backoff = 0
         self.host = HostMemory(rt.device, rt.budget, host_budget)
         self.copier = _CudaCopier(rt.device, self.host) if rt.device.type == "cuda" else _CpuCopier()
@@ -452,6 +453,8 @@ class Swapper:
             return
         arena = self.rt.arena
         planned, stack = self.planned, self.offloaded
+        if not (planned or stack):
+            self.backoff = 0  # every value is back: no loop to break (a program with no step marks)
         plan = self.rt.residency.plan
         while (planned or stack) and len(self.in_flight) < _PREFETCH_DEPTH:
             r = planned[0][2]() if planned else stack[-1]()

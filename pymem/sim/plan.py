@@ -25,8 +25,6 @@ from .. import _C
 from .replay import Simulator
 from .trace import Trace
 
-# The steps the runtime runs before the choice settles: one unplanned, then PlanChoice's trials.
-_TRIAL_STEPS = 1 + 2 * 2
 
 
 def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
@@ -60,8 +58,10 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
 
     out, learned_from, summary = run(first, "none")
     steps.append(summary)
+    if trace.num_ops == 0:  # nothing to plan: the runtime follows no empty plan
+        return dict(out, plan_releases=None, plan_steps=steps)
     cover: Optional[Tuple[Dict, Dict, Dict]] = None
-    for _ in range(_TRIAL_STEPS):
+    for _ in range(2 * _C.PlanChoice.TRIAL_STEPS + 1):  # each way's trials, then the settled step
         if out["status"] == "oom":
             break
         how = choice.next(cover_allowed)

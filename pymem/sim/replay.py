@@ -118,11 +118,16 @@ class Simulator:
     def __init__(self, trace: Trace, budget: int, policy: str = "dtr", offload: str = "never", plan: str = "off",
                  device: Optional[str] = "h100", search: str = "handler", link_bytes_per_s: Optional[float] = None,
                  prefetch: bool = True, releases: Sequence[Tuple[int, int]] = (), releases_chains: bool = False,
-                 lead: Optional[Dict[int, float]] = None) -> None:
+                 lead: Optional[Dict[int, float]] = None, move_bytes_per_s: Optional[float] = None) -> None:
         if plan not in ("auto", "off"):
             raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
+        releases = [(int(k), int(v)) for k, v in releases]
         if releases and plan != "auto":
             raise ValueError("early releases come from a step plan: give plan='auto' with them")
+        bad = [(k, v) for k, v in releases if not (0 <= k < trace.num_ops and 0 <= v < trace.num_values)]
+        if bad:
+            raise ValueError(f"releases must be (op position, value) pairs of the trace (0..{trace.num_ops - 1}, "
+                             f"0..{trace.num_values - 1}); got {bad[:3]}")
         if not isinstance(budget, (int, np.integer)) or budget <= 0:
             raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
         self.trace, self.budget = trace, int(budget) // _C.ALIGNMENT * _C.ALIGNMENT  # the arena's unit
@@ -133,8 +138,11 @@ class Simulator:
         self.offload_leaves = offload != "never"
         self.uses_window = policy == "coop"
         self.seconds = _op_seconds(trace, device)
-        # A compaction's move reads and writes the block on the device (no rate for recorded costs).
-        self.move_bytes_per_s = gpu_spec(device).memory_bytes_per_s / 2 if device else None
+        # A compaction's move reads and writes the block on the device; with recorded costs, at
+        # ``move_bytes_per_s`` if given (the runtime's is timed, so none is assumed here).
+        if move_bytes_per_s is None and device:
+            move_bytes_per_s = gpu_spec(device).memory_bytes_per_s / 2
+        self.move_bytes_per_s = move_bytes_per_s
         self.launch = LAUNCH_SECONDS if device else 0.0
         if link_bytes_per_s is None:
             link_bytes_per_s = gpu_spec(device).host_bytes_per_s if device else 32e9
@@ -265,7 +273,7 @@ class Simulator:
             v.state = OFFLOADED
             self.offloads += 1
             self.offloaded_bytes += v.nbytes
-            self._queue(v)
+            self._queue(v, at)
         else:
             v.state = EVICTED
             self.neighbourhood.on_evict(v.index, v.compute_cost, self.neighbours(v.index))
@@ -273,9 +281,11 @@ class Simulator:
         self._free(v)
         return v.nbytes
 
-    def _queue(self, v: _Value) -> None:
+    def _queue(self, v: _Value, at: Optional[int] = None) -> None:
+        """Queue v's copy back by its next read at or after ``at`` (default: the op running; a
+        planned release after op k: k + 1, as the runtime's plan has moved on by then)."""
         r = self.readers[v.index]
-        i = bisect.bisect_left(r, self.position)
+        i = bisect.bisect_left(r, self.position if at is None else at)
         if self.planned and i < len(r):
             heapq.heappush(self.away_planned, (r[i], v.index))
             self._latest = None
@@ -291,7 +301,8 @@ class Simulator:
         """Start copies back while they fit (swap.after_op): the plan's next read first, not before
         that read is _LEAD copy times away; else the newest offloaded first."""
         for i in [i for i, t in self.in_flight.items() if t <= self.clock]:
-            del self.in_flight[i]
+            del self.in_flight[i]  # adopted (swap._adopt): back, as the step trace notes it
+            self._note("back", self.position, self.values[i])
         planned, stack = self.away_planned, self.away_stack
         while (planned or stack) and len(self.in_flight) < _PREFETCH_DEPTH:
             v = self.values[planned[0][1] if planned else stack[-1]]
@@ -330,7 +341,8 @@ class Simulator:
             self._late(v)
         self._spend_copy(wait)
         self.copy_hidden += v.swap_cost - wait
-        self.in_flight.pop(v.index, None)
+        if self.in_flight.pop(v.index, None) is not None:  # not adopted yet: back now
+            self._note("back", self.position, v)
         v.ready_at = 0.0
         self.copies_back += 1
 
