@@ -210,23 +210,22 @@ py::list StepTrace::take_due() {
 }
 
 void StepTrace::end_step(double moved_seconds) {
-  last_moved_seconds_ = moved_seconds;
   last_ = std::move(current_);
   current_ = StepArrays();
   ++num_steps_;
   watched_.clear();
   due_.clear();
-  if (planning_) plan_next();
+  if (planning_) plan_next(moved_seconds);
   following_ = planning_ && !plan_.empty();
   planned_step_ = following_;
 }
 
-void StepTrace::plan_next() {
+void StepTrace::plan_next(double moved_seconds) {
   using R = StepPlan::Releases;
   const bool followed = planned_step_ && following_ && last_.op.size() == plan_.size();  // the whole step ran the plan
   const R ran = plan_.releases();
   if (followed) {
-    choice_.measured(ran, comeback_cost(last_) + last_moved_seconds_);
+    choice_.measured(ran, comeback_cost(last_) + moved_seconds);
     if (ran == R::kCover) ++num_cover_steps_;
   } else {  // a new program (or the first step): nothing measured holds
     choice_.reset();

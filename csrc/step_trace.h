@@ -103,11 +103,12 @@ class StepTrace {
   // the plan releases that value early.
   int32_t new_value(RecordObject* r, int32_t producer);
   void note(const RecordObject* r, std::vector<int32_t>& at, std::vector<int32_t>& value);
-  void plan_next();  // end_step's choice of how to plan the next step, and its plan
+  // end_step's choice of how to plan the next step (the step that ended moved blocks for
+  // `moved_seconds`), and its plan.
+  void plan_next(double moved_seconds);
   StepArrays current_, last_;
   StepPlan plan_;
   PlanChoice choice_;  // learned or cover, by what the steps that followed each cost
-  double last_moved_seconds_ = 0;  // the last step's compaction moves, priced
   int64_t budget_ = 0;
   // The cover of the program as it runs now: computed once, kept until it changes (or the budget).
   std::vector<std::pair<int32_t, int32_t>> cover_;
