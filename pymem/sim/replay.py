@@ -184,7 +184,7 @@ class Simulator:
         # op k; a learned plan leaves a value with evicted readers to pressure, a cover does not.
         self.due: Dict[int, List[int]] = {}
         for k, v in releases:
-            self.due.setdefault(int(k), []).append(int(v))
+            self.due.setdefault(k, []).append(v)
         self.releases_chains = releases_chains
         self.planned_releases = 0
         # What the step trace notes for the next step's plan (csrc/step_trace.h: releases, comebacks).
@@ -515,7 +515,7 @@ class Simulator:
     def _run_op(self, k: int) -> None:
         t = self.trace
         self.position = k
-        if self.prefetch and (self.away_planned or self.away_stack):
+        if self.prefetch and (self.away_planned or self.away_stack or self.in_flight):  # swap.after_op's condition
             self._prefetch()
         ins = [self.values[i] for i in t.op_inputs(k)]
         for i in ins:  # locked first, then the missing ones restored (runtime.run_op)
