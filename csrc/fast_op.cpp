@@ -36,7 +36,7 @@ namespace {
 // (a C string makes a fresh str per call, which never does).
 struct Names {
 #define PYMEM_NAME(n) py::object n = py::reinterpret_steal<py::object>(PyUnicode_InternFromString(#n));
-  PYMEM_NAME(after_op) PYMEM_NAME(in_flight) PYMEM_NAME(offloaded) PYMEM_NAME(planned)
+  PYMEM_NAME(after_op) PYMEM_NAME(in_flight) PYMEM_NAME(offloaded) PYMEM_NAME(planned) PYMEM_NAME(out_flight)
 #undef PYMEM_NAME
 };
 Names* N = nullptr;  // made by the first set_fast_path, under the GIL; never freed
@@ -47,7 +47,7 @@ struct RuntimeRefs {
   py::object rt, table, running, lock;
   RuntimeObject* state = nullptr;  // rt's C fields (runtime_state.h); rt keeps it
   LockObject* mutex = nullptr;     // rt.lock (runtime_lock.h); `lock` keeps it
-  py::object sweep, op_info, graph_task_id, release_planned;
+  py::object sweep, op_info, graph_task_id, plan_due;
   py::object trace_owner;      // rt.trace
   StepTrace* trace = nullptr;  // trace_owner's
   py::object cost_model_type, op_flops, flop_formula;  // cost_model.py's CostModel, op_flops, _flop_formula
@@ -85,12 +85,12 @@ decltype(auto) in_python(const RuntimeRefs& R, F&& call) {
   return call();
 }
 
-// A copy to or from host memory is pending (swap.after_op has work: swap.py's queues).
+// A copy to or from host memory is pending (swap.after_op has work: swap.py's queues, copies in flight).
 bool swap_busy(const RuntimeObject& S) {
   if (S.swap == nullptr || S.swap == Py_None) return false;
   py::handle swap(S.swap);
   return PyObject_IsTrue(swap.attr(N->offloaded).ptr()) == 1 || PyObject_IsTrue(swap.attr(N->planned).ptr()) == 1 ||
-         PyObject_IsTrue(swap.attr(N->in_flight).ptr()) == 1;
+         PyObject_IsTrue(swap.attr(N->in_flight).ptr()) == 1 || PyObject_IsTrue(swap.attr(N->out_flight).ptr()) == 1;
 }
 
 // What run_op reads of an op (ops.py's OpInfo), per schema, computed once.
@@ -332,7 +332,7 @@ void set_fast_path(py::object runtime) {
     throw py::type_error("pymem: set_fast_path takes a Runtime (a _C.RuntimeBase whose lock is a _C.RuntimeLock)");
   }
   R->sweep = runtime.attr("sweep");
-  R->release_planned = runtime.attr("release_planned");
+  R->plan_due = runtime.attr("plan_due");
   R->trace_owner = runtime.attr("trace");
   R->trace = as_step_trace(R->trace_owner);
   std::tie(R->releasable_lo, R->releasable_hi) =
@@ -456,6 +456,17 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
         return false;
       }
       overwritten.push_back(r);
+    }
+    if (!overwritten.empty() && swap_busy(S)) {  // a copy out ahead still reading one: run_op waits for it
+      py::object out_flight = py::handle(S.swap).attr(N->out_flight);
+      for (RecordObject* r : overwritten) {
+        const int in = PySequence_Contains(out_flight.ptr(), reinterpret_cast<PyObject*>(r));
+        if (in < 0) throw py::error_already_set();
+        if (in == 1) {
+          ++g_stats.slow;
+          return false;
+        }
+      }
     }
     for (RecordObject* r : overwritten) {
       Py_INCREF(Py_None);
@@ -587,7 +598,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     }
   }
   if (R.trace != nullptr && R.trace->record_op(f.code, cost, rs, made))
-    in_python(R, [&] { R.release_planned(); });  // the step plan releases values after this op
+    in_python(R, [&] { R.plan_due(); });  // the step plan releases, or copies out ahead, after this op
   // Last: the op is booked, so the plan's position (the prefetch's in-trigger) is the next op's.
   if (swap_busy(S))  // the kernel's pressure, or the plan, offloaded something
     in_python(R, [&] { py::handle(S.swap).attr(N->after_op)(); });

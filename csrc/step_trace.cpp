@@ -155,6 +155,8 @@ int32_t StepTrace::new_value(RecordObject* r, int32_t producer) {
   s.value_recomputable.push_back(r->recipe != nullptr && r->recipe != Py_None);
   r->trace_step = step();
   r->trace_value = v;
+  if (following_ && static_cast<size_t>(v) < offloaded_.size() && offloaded_[static_cast<size_t>(v)] != 0)
+    ahead_.push_back(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(r)));
   if (following_ && plan_.released_early(v)) {  // the plan releases it early: find it then
     PyObject* w = PyWeakref_NewRef(reinterpret_cast<PyObject*>(r), nullptr);
     if (w == nullptr) throw py::error_already_set();
@@ -173,6 +175,7 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
   }
   StepArrays& s = current_;
   const auto k = static_cast<int32_t>(s.op.size());
+  ahead_.clear();  // taken after the op before, or of no use now
   for (RecordObject* r : inputs)
     if (r != nullptr) s.inputs.push_back(value_of(r));
   for (RecordObject* r : made) s.outputs.push_back(new_value(r, k));
@@ -187,7 +190,21 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
   if (!following_) return false;
   const auto [first, last] = plan_.due_after(static_cast<size_t>(k));
   due_.assign(first, last);
-  return !due_.empty();
+  return !due_.empty() || !ahead_.empty();
+}
+
+void StepTrace::note_offload(const RecordObject* r) {
+  if (!planning_ || r->trace_step <= 0 || r->trace_step + 1 < step() || r->trace_value < 0) return;
+  const auto v = static_cast<size_t>(r->trace_value);
+  if (v >= offloaded_.size()) offloaded_.resize(v + 1, 0);
+  offloaded_[v] |= 1;
+}
+
+py::list StepTrace::take_ahead() {
+  py::list out;
+  for (py::object& r : ahead_) out.append(std::move(r));
+  ahead_.clear();
+  return out;
 }
 
 void StepTrace::note(const RecordObject* r, std::vector<int32_t>& at, std::vector<int32_t>& value) {
@@ -215,6 +232,8 @@ void StepTrace::end_step(double moved_seconds) {
   ++num_steps_;
   watched_.clear();
   due_.clear();
+  ahead_.clear();
+  for (uint8_t& bits : offloaded_) bits = static_cast<uint8_t>((bits & 1) << 1);  // this step's become the last's
   if (planning_) plan_next(moved_seconds);
   following_ = planning_ && !plan_.empty();
   planned_step_ = following_;
@@ -310,7 +329,7 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           },
           py::arg("code"), py::arg("cost"), py::arg("inputs"), py::arg("made"),
           "One op execution: its code (op_code), cost, input records (None: unmanaged) and the records it made. "
-          "True when the plan releases values after it (take_due).")
+          "True when the plan has work due after it: releases (take_due), copies out ahead (take_ahead).")
       .def(
           "note_release", [](StepTrace& t, py::handle r) { t.note_release(record_arg(r, "note_release")); },
           py::arg("record"), "While planning: the record's value leaves memory now.")
@@ -318,6 +337,11 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           "note_back", [](StepTrace& t, py::handle r) { t.note_back(record_arg(r, "note_back")); }, py::arg("record"),
           "While planning: the record's value is back in memory now.")
       .def("take_due", &StepTrace::take_due, "The live records of the values the plan releases after the op just booked.")
+      .def(
+          "note_offload", [](StepTrace& t, py::handle r) { t.note_offload(record_arg(r, "note_offload")); },
+          py::arg("record"), "Offloading: the record's value goes to host memory now (its copy starts ahead from now on).")
+      .def("take_ahead", &StepTrace::take_ahead,
+           "The records given an index by the op just booked whose values were offloaded in this step or the one before.")
       .def("end_step", &StepTrace::end_step, py::arg("moved_seconds") = 0.0,
            "The current step is complete; it spent `moved_seconds` moving blocks (compactions), which the "
            "choice of how to plan counts with its comebacks.")

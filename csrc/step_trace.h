@@ -54,7 +54,8 @@ class StepTrace {
  public:
   // One op execution: its inputs' records (null: an unmanaged tensor, left out) and the records it
   // made (fresh outputs, and written values that became new records).
-  // True when the plan releases values after this op: take_due() gives their records.
+  // True when the plan has work due after this op: take_due() gives the records it releases,
+  // take_ahead() those to copy out ahead.
   bool record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs, c10::ArrayRef<RecordObject*> made);
   // The current step is complete: it becomes the last step, and a new one starts (planned from it
   // when planning). `moved_seconds`: what its compactions' moves cost (the runtime prices them).
@@ -86,6 +87,13 @@ class StepTrace {
   void note_back(const RecordObject* r) { note(r, current_.back_at, current_.back_value); }  // and back now
   // The live records of the values the plan releases after the op just booked.
   pybind11::list take_due();
+  // Offloading: r's value goes to host memory now. While the steps follow their plan, the value
+  // given r's index in a step (made by an op, or first seen) has its copy out started ahead, as
+  // soon as it has it, in that step and the next (swap.copy_ahead): r's index is that of the step
+  // now or, when r was not seen in it yet, of the step before (a value made there, released here).
+  void note_offload(const RecordObject* r);
+  // The records given an index by the op just booked whose values were offloaded (note_offload).
+  pybind11::list take_ahead();
 
   // A step longer than this is dropped and recording starts over: a program that never marks a
   // step (an inference loop) keeps at most this many ops (about 60 MB).
@@ -121,6 +129,9 @@ class StepTrace {
   int64_t num_cover_steps_ = 0;
   std::unordered_map<int32_t, pybind11::object> watched_;  // value -> weakref to its record, this step
   std::vector<int32_t> due_;  // values due for release after the op just booked
+  // By value index: bit 0, offloaded in this step (note_offload); bit 1, in the step before.
+  std::vector<uint8_t> offloaded_;
+  std::vector<pybind11::object> ahead_;  // records to copy out ahead after the op just booked
   int64_t num_steps_ = 0;
   int64_t num_dropped_ = 0;
 };

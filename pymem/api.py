@@ -194,13 +194,17 @@ def memory_stats() -> dict:
     others), ``offload_copied_bytes`` (copied out: a value released again reuses its copy),
     ``num_swap_ins`` / ``swapped_in_bytes`` (copied back when an op needed them),
     ``num_prefetches`` / ``prefetched_bytes`` (copied back ahead of use), ``num_prefetches_cancelled``,
+    ``num_copies_ahead`` / ``copied_ahead_bytes`` (copies out started ahead of release, beside compute,
+    by the step plan), 
     ``swap_seconds`` (time the program waited on copies), ``host_bytes`` / ``host_bytes.peak``;
     the copies' own time (CUDA: timing events around each copy on its stream, read once the copy is
     found complete, so copies still running are not counted yet; CPU: each copy timed where it runs):
-    ``offload_copy_seconds`` / ``offload_copy_timed_bytes`` (out), ``swap_in_copy_seconds`` /
+    ``offload_copy_seconds`` / ``offload_copy_timed_bytes`` (out; ``copy_ahead_seconds`` of it
+    ahead), ``swap_in_copy_seconds`` /
     ``swap_in_copy_timed_bytes`` (back, on demand and prefetched, cancelled prefetches included):
     bytes / seconds is the rate achieved; ``swap_stall_seconds``, the part compute stood still for
-    (the copies on the compute stream, out and on demand, and uses' waits for prefetches not done;
+    (the copies on the compute stream, out and on demand, and waits for prefetches and copies out
+    ahead not done;
     on the CPU, in the calling thread).
     With the arena: ``requested_bytes.current``, ``pinned_bytes.current``, ``free_bytes``,
     ``largest_free_block``, ``fragmentation.largest_free`` / ``.peak`` / ``.pressure``,

@@ -514,3 +514,65 @@ def test_trace_of_a_transformers_config(tmp_path):
     assert t.meta["seq"] == 64 and t.backward_at > 0 and t.op_flops.sum() > 0
     with pytest.raises(ValueError, match="unknown transformers model type 'nonesuch'"):
         model_step("hf:nonesuch")
+
+
+def _made_then_pushed_out():
+    """x (a leaf) read by op 0, which makes y (1 MiB) and z (small); eight ops of 0.25 s read z;
+    op 9 makes a 2.5 MiB temporary that leaves no room for both x and y (4 MiB); op 10 reads both."""
+    ops = [("a", 0.25, [0], [1, 2])] + [("c", 0.25, [2], [3 + j]) for j in range(8)]
+    ops += [("t", 0.25, [2], [11]), ("r", 0.25, [0, 1], [12])]
+    values = [(MiB, -1, 0, -1), (MiB, 0, 1, -1), (1024, 0, 1, -1)] + [(1024, 1 + j, 1, 1 + j) for j in range(8)]
+    values += [(5 * MiB // 2, 9, 1, 9), (1024, 10, 1, -1)]
+    return _trace(ops, values)
+
+
+@pytest.mark.parametrize("policy", ["lru", "dtr"])
+def test_a_copy_out_started_ahead_hides_behind_compute_and_the_release_copies_nothing(policy):
+    # At 1 MiB/s a copy takes 1 s: synchronous, the release at op 9 stalls for it; started ahead
+    # (x at the step's start, y after op 0: 2 s on the queue to the host, done by op 9's 2.25 s),
+    # the release finds the host copy made.
+    kw = dict(policy=policy, offload="always", plan="auto", device=None, link_bytes_per_s=MiB)
+    t = _made_then_pushed_out()
+    plain = Simulator(t, 4 * MiB, **kw).run()
+    ahead = Simulator(t, 4 * MiB, copy_ahead={0: -1, 1: 0}, **kw).run()
+    assert plain["offloads"] == ahead["offloads"] == 1
+    assert plain["copy_out_seconds_exposed"] == pytest.approx(1.0) and plain["copies_ahead"] == 0
+    assert ahead["copy_out_seconds_exposed"] == 0.0 and ahead["copies_ahead"] == 2
+    assert ahead["overhead"] == pytest.approx(plain["overhead"] - 1.0 / 2.75)
+
+
+def test_a_release_waits_only_for_the_rest_of_a_copy_out_started_ahead():
+    # DTR releases y (cheaper to bring back than the leaf x); its copy started after op 6 (at
+    # 1.75 s) ends at 2.75 s, half a second after op 9 needs its room.
+    sim = Simulator(_made_then_pushed_out(), 4 * MiB, policy="dtr", offload="always", plan="auto", device=None,
+                    link_bytes_per_s=MiB, copy_ahead={1: 6})
+    out = sim.run()
+    assert sim.released == [1] and out["copies_ahead"] == 1
+    assert out["copy_out_seconds_exposed"] == pytest.approx(0.5)
+
+
+def test_plan_auto_with_offloading_copies_out_ahead_what_the_step_before_offloaded():
+    t = _made_then_pushed_out()
+    # LRU offloads x and y at op 9 (2 s of copies out, exposed, in the unplanned step). The plan's
+    # steps copy both out ahead, and release y early once its copy is done: no copy out waited for.
+    kw = dict(policy="lru", offload="always", device=None, link_bytes_per_s=MiB)
+    plain = simulate(t, 4 * MiB, plan="off", **kw)
+    assert plain["offloads"] == 2 and plain["copy_out_seconds_exposed"] == pytest.approx(2.0)
+    out = simulate(t, 4 * MiB, plan="auto", **kw)
+    assert out["status"] != "oom" and out["plan_releases"] == "learned" and out["planned_releases"] == 1
+    assert out["copies_ahead"] == 2 and out["copy_out_seconds_exposed"] == 0.0
+    assert out["overhead"] < plain["overhead"]
+    first = Simulator(t, 4 * MiB, policy="lru", offload="always", device=None, link_bytes_per_s=MiB)
+    first.run()
+    from pymem.sim.plan import copy_ahead
+    ahead = copy_ahead(t, first)
+    # y from op 0, which makes it; x (made before the step) from op 0 too, its first read, where
+    # the runtime's step trace first gives it an index (it went out after that read)
+    assert ahead == {0: 0, 1: 0}
+
+
+def test_bad_copy_ahead_is_refused():
+    with pytest.raises(ValueError, match="copy_ahead must map values of the trace"):
+        Simulator(_made_then_pushed_out(), 4 * MiB, device=None, copy_ahead={99: 0})
+    with pytest.raises(ValueError, match="copy_ahead must map values of the trace"):
+        Simulator(_made_then_pushed_out(), 4 * MiB, device=None, copy_ahead={1: 11})

@@ -169,7 +169,7 @@ def test_a_prefetch_in_flight_is_given_up_under_pressure():
         # The worker's copy waits until the test lets it go: otherwise it may finish, and be adopted
         # by the next op, before the test looks (a race, not a fault).
         go, start = threading.Event(), rt.swap.copier.start
-        rt.swap.copier.start = lambda dst, src: start(dst, _Held(src, go))
+        rt.swap.copier.start = lambda dst, src, out=False: start(dst, _Held(src, go), out=out)
         s = leaf[:4] * 2  # any op: afterwards the prefetch of `a` starts (it fits)
         assert rt.swap.in_flight, "the prefetch did not start"
         go.set()  # in flight until an op adopts it, done or not: the next allocation comes first
@@ -313,8 +313,10 @@ def test_copy_times_count_every_copy_made():
     else:  # a cancelled prefetch's copy was made too, and is copied again later
         assert s["swap_in_copy_timed_bytes"] > copied_in > 0
     assert s["swap_in_copy_seconds"] > 0
-    # Out and on demand run in the calling thread: stalls, inside its time in copies and waits.
-    assert s["offload_copy_seconds"] <= s["swap_stall_seconds"] <= s["swap_seconds"]
+    # Out and on demand run in the calling thread: stalls, inside its time in copies and waits. Out
+    # ahead (the plan's: steps after the first) runs on a worker: no stall but its waits.
+    assert s["num_copies_ahead"] > 0 and s["copy_ahead_seconds"] > 0, s
+    assert s["offload_copy_seconds"] - s["copy_ahead_seconds"] <= s["swap_stall_seconds"] <= s["swap_seconds"]
     # While running, only what completed is counted: never more than what was copied.
     assert live["offload_copy_timed_bytes"] == live["offload_copied_bytes"]
     assert live["swap_in_copy_timed_bytes"] <= s["swap_in_copy_timed_bytes"]
@@ -463,3 +465,96 @@ def test_cuda_copier_puts_timing_events_around_each_copy(monkeypatch):
     t = c.time_stats()
     assert t["swap_in_copy_timed_bytes"] == 128 and t["swap_stall_seconds"] > t["offload_copy_seconds"]
     assert not any(c.pending.values())
+
+
+def _gate_copies_out(rt, go):
+    """Copies out ahead read their source only once ``go`` is set (copies back run as usual)."""
+    start = rt.swap.copier.start
+    rt.swap.copier.start = lambda dst, src, out=False: start(dst, _Held(src, go) if out else src, out=out)
+
+
+@pytest.mark.parametrize("recipe", [True, False])
+def test_a_write_in_place_waits_for_the_copy_out_ahead_of_its_value(recipe):
+    """A value being copied out ahead (beside compute) and then written in place: the write waits
+    for the copy, so the host copy holds the value before the write (a recomputable value's old
+    record keeps it), or none is kept (a leaf: its record now holds the new value)."""
+    rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)
+    try:
+        x = torch.ones(MiB // 4)
+        if recipe:
+            y = x.requires_grad_() * 2
+        else:
+            with pymem.no_recompute():
+                y = x * 2
+        r = rt.table[pymem._C.storage_key(y)]
+        assert (r.recipe is not None) == recipe
+        go = threading.Event()
+        _gate_copies_out(rt, go)
+        rt.swap.copy_ahead(r)
+        assert r in rt.swap.out_flight and r.host is None
+        threading.Timer(0.2, go.set).start()  # the write below must wait for it
+        with torch.no_grad():
+            y.add_(1)
+        assert not rt.swap.out_flight
+        if recipe:
+            assert torch.equal(r.host.view(torch.float32), torch.full((MiB // 4,), 2.0))
+        else:
+            assert r.host is None  # it would be stale
+        assert torch.equal(y, torch.full((MiB // 4,), 3.0))
+    finally:
+        pymem.disable()
+
+
+def test_a_release_waits_for_the_copy_out_ahead_and_copies_nothing_more():
+    """Released while its copy out ahead runs: the release waits for that copy (no second one),
+    and the value comes back byte-exact from it."""
+    rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)
+    try:
+        x = torch.arange(MiB // 4, dtype=torch.float32).requires_grad_()
+        y = x * 3
+        r = rt.table[pymem._C.storage_key(y)]
+        go = threading.Event()
+        _gate_copies_out(rt, go)
+        rt.swap.copy_ahead(r)
+        copied = pymem.memory_stats()["offload_copied_bytes"]
+        threading.Timer(0.2, go.set).start()
+        pymem.evict(y)  # offloaded: by the copy started ahead
+        s = pymem.memory_stats()
+        assert s["num_offloads"] == 1 and s["num_copies_ahead"] == 1 and s["copied_ahead_bytes"] == MiB
+        assert s["offload_copied_bytes"] - copied == MiB  # the copy ahead's bytes, once
+        assert s["offload_copy_timed_bytes"] == MiB  # no copy in the calling thread
+        assert torch.equal(y, torch.arange(MiB // 4, dtype=torch.float32) * 3)
+        assert s["num_rematerializations"] == 0
+    finally:
+        pymem.disable()
+
+
+def test_a_block_being_copied_out_ahead_is_not_moved():
+    """Compaction slides blocks; one a copy out ahead still reads stays where it is."""
+    rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)
+    try:
+        x = torch.ones(MiB // 4).requires_grad_()
+        y = x * 2
+        r = rt.table[pymem._C.storage_key(y)]
+        go = threading.Event()
+        _gate_copies_out(rt, go)
+        rt.swap.copy_ahead(r)
+        from pymem.runtime.compaction import movable_blocks
+        assert y.untyped_storage().data_ptr() not in movable_blocks(rt)
+        go.set()
+        rt.swap.finish_out(r)
+        assert y.untyped_storage().data_ptr() in movable_blocks(rt)
+    finally:
+        pymem.disable()
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_copies_out_ahead_train_bitwise_equal_and_spare_the_copies_at_release(managed, name):
+    """Offloading with the step plan: from the second step, the values the step before offloaded
+    are copied out ahead, beside compute; training stays bitwise equal under the budget, and the
+    releases copy (in the calling thread) fewer bytes than they offload."""
+    ratio = 0.3
+    stats = trained_bitwise_equal(managed, name, ratio, "dtr", offload="always", plan="auto")
+    assert stats["num_copies_ahead"] > 0, stats
+    synchronous = stats["offload_copied_bytes"] - stats["copied_ahead_bytes"]
+    assert synchronous < stats["offload_copied_bytes"] / 2, stats

@@ -4,7 +4,8 @@ move what cannot be released instead of giving up.
 The arena's main region is cut into *segments* by blocks that must not move now: inputs of the
 kernels running now (``rt.running``: a kernel may hold their addresses), buffers handed to a
 collective (``Record.pins``: its communication thread may still hold their addresses), and blocks
-the runtime does not own (buffers a kernel is still filling). Locked values that no kernel reads yet
+the runtime does not own (buffers a kernel is still filling), and values a copy out ahead reads
+(swap.py). Locked values that no kernel reads yet
 (inputs held for a pending recompute) may move: a lock only forbids releasing them. Everything else
 in a segment can move (parameters, gradients, optimizer state) or be released (recomputable values).
 A request fits in a segment once its free bytes plus the bytes released there cover it: the plan
@@ -54,6 +55,8 @@ def movable_blocks(rt) -> Dict[int, tuple]:
     """addr -> (record, StorageRef, releasable) for every block of the main region that may move now."""
     lo, hi = rt.lo, rt.main_hi
     busy = _busy_addresses(rt)
+    if rt.swap is not None:  # a copy out ahead reads these
+        busy.update(src.untyped_storage().data_ptr() for _, src, _ in rt.swap.out_flight.values())
     leaf_ok = rt.residency.leaf_releasable
     out = {}
     for r in rt.table.values():

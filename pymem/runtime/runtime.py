@@ -452,6 +452,8 @@ class Runtime(_C.RuntimeBase):
                         mut_slots.add(j)
                         mut_recs.setdefault(recs[j].id, (recs[j], j))
                 for r, j in mut_recs.values():
+                    if self.swap is not None and r in self.swap.out_flight:
+                        self.swap.finish_out(r)  # its copy out ahead reads what the op overwrites
                     if r.recipe is None:
                         r.host = None  # overwritten in place below: a host copy would be stale
                         if r.children:
@@ -583,12 +585,12 @@ class Runtime(_C.RuntimeBase):
         return out
 
     def _booked(self, code: int, cost: float, recs: list, made: list) -> None:
-        """The op ran and its outputs have records: the trace books it, the plan releases what it
-        has due, then copies back start (after the booking: the plan's position is the next op's)."""
+        """The op ran and its outputs have records: the trace books it, the plan does what it has
+        due, then copies back start (after the booking: the plan's position is the next op's)."""
         if self.trace.record(code, cost, recs, made):
-            self.release_planned()
+            self.plan_due()
         swap = self.swap
-        if swap is not None and (swap.offloaded or swap.planned or swap.in_flight):
+        if swap is not None and (swap.offloaded or swap.planned or swap.in_flight or swap.out_flight):
             swap.after_op()
 
     def _moved_seconds(self) -> float:
@@ -613,18 +615,40 @@ class Runtime(_C.RuntimeBase):
             if self.swap is not None:
                 self.swap.end_step()
 
+    def plan_due(self) -> None:
+        """What the step plan has due after the op just booked (the fast path calls it too): copies
+        out ahead of values the step before offloaded (swap.copy_ahead), then early releases."""
+        ahead = self.trace.take_ahead()
+        if ahead and self.swap is not None:
+            for r in ahead:
+                self.swap.copy_ahead(r)
+        self.release_planned()
+
     def release_planned(self) -> None:
         """The step plan releases values after the op just booked (csrc/step_plan.h: the values the
-        step before released under pressure, now right after their last use before that). Under the
-        lock, as run_op."""
-        # A learned plan does not price a longer recompute for evicted readers; a cover did.
-        chains = self.trace.plan_releases == "cover"
+        step before released under pressure, now right after their last use before that); one
+        being copied out ahead goes once that copy is done (swap._adopt_out), not waited for.
+        Under the lock, as run_op."""
+        swap = self.swap
         for r in self.trace.take_due():
-            if r.recipe is not None and r.locks == 0 and r.waits == 0 and not r.pins and r.in_arena and \
-                    self.residency.is_available(r) and r not in self.cache and \
-                    (chains or next(r.evicted_readers(), None) is None):
+            if self._planned_releasable(r):
+                if swap is not None and r in swap.out_flight:
+                    swap.release_when_out.add(r)
+                    continue
                 self.residency.release(r)
                 self.num_planned_releases += 1
+
+    def release_copied(self, r: Record) -> None:
+        """A planned release that waited for its copy out ahead to be done: made now, if it still may be."""
+        if self._planned_releasable(r):
+            self.residency.release(r)
+            self.num_planned_releases += 1
+
+    def _planned_releasable(self, r: Record) -> bool:
+        # A learned plan does not price a longer recompute for evicted readers; a cover did.
+        return r.recipe is not None and r.locks == 0 and r.waits == 0 and not r.pins and r.in_arena and \
+            self.residency.is_available(r) and r not in self.cache and \
+            (self.trace.plan_releases == "cover" or next(r.evicted_readers(), None) is None)
 
     def _kernel(self, func, args, kwargs):
         """The op itself, with the runtime's lock released so that other threads' ops proceed. Its

@@ -22,6 +22,17 @@ released for it, and a contiguous ``headroom`` stays free for the ops to come. T
 copy runs beside compute: a worker thread on the CPU device, a side stream on CUDA. The value counts
 as evicted until it is adopted: when its copy is done (checked after each op) or when an op needs it
 (then the op waits for the copy). Under pressure, a copy in flight is the last thing given up.
+
+Copy out ahead (Capuchin's swap-out ahead of release, ZeRO-Offload's overlapped transfers): a
+synchronous copy out stalls compute for its whole time, at the moment memory is shortest. While
+the steps follow their plan, a value whose counterpart the step before offloaded (the same index
+of the step trace: csrc/step_trace.h, note_offload) starts its copy out as soon as it exists,
+beside compute (a second worker thread on the CPU device, a second side stream on CUDA: one queue
+per direction) while it stays resident. Its release then copies nothing, or waits only for the
+rest of that copy (the plan's early release of it happens once the copy is done); an op that
+writes it in place waits for the copy first (run_op). The copy holds
+the value's storage, so its block is neither freed nor moved (compaction.movable_blocks) before
+the copy is done; the host copy is the record's once the copy is done (checked after each op).
 """
 import collections
 import concurrent.futures
@@ -100,8 +111,9 @@ class HostMemory:
 
 
 # What a timed interval was (_CopyTimes): a copy out, a copy back on demand (on the compute stream,
-# or in the calling thread), a prefetch (side stream, worker thread), a use's wait for a prefetch.
-_OUT, _IN, _PREFETCH, _WAIT = range(4)
+# or in the calling thread), a prefetch (side stream, worker thread), a wait for a prefetch or a
+# copy out ahead, a copy out ahead (its own side stream, worker thread).
+_OUT, _IN, _PREFETCH, _WAIT, _AHEAD = range(5)
 
 
 class _CopyTimes:
@@ -115,8 +127,8 @@ class _CopyTimes:
     lock, except from ``memory_stats`` (any thread): one thread books at a time, the others skip."""
 
     def __init__(self) -> None:
-        self.seconds = {_OUT: 0.0, _IN: 0.0, _PREFETCH: 0.0, _WAIT: 0.0}
-        self.nbytes = {_OUT: 0, _IN: 0, _PREFETCH: 0, _WAIT: 0}
+        self.seconds = {_OUT: 0.0, _IN: 0.0, _PREFETCH: 0.0, _WAIT: 0.0, _AHEAD: 0.0}
+        self.nbytes = {_OUT: 0, _IN: 0, _PREFETCH: 0, _WAIT: 0, _AHEAD: 0}
         self.pending: Dict[object, collections.deque] = {}  # queue -> deque of (handle, nbytes, kind)
         self._booking = threading.Lock()
 
@@ -158,9 +170,9 @@ class _CopyTimes:
         self.harvest()
         with self._booking:
             t, n = dict(self.seconds), dict(self.nbytes)
-        return {"offload_copy_seconds": t[_OUT], "offload_copy_timed_bytes": n[_OUT],
+        return {"offload_copy_seconds": t[_OUT] + t[_AHEAD], "offload_copy_timed_bytes": n[_OUT] + n[_AHEAD],
                 "swap_in_copy_seconds": t[_IN] + t[_PREFETCH], "swap_in_copy_timed_bytes": n[_IN] + n[_PREFETCH],
-                "swap_stall_seconds": t[_OUT] + t[_IN] + t[_WAIT]}
+                "copy_ahead_seconds": t[_AHEAD], "swap_stall_seconds": t[_OUT] + t[_IN] + t[_WAIT]}
 
 
 def _timed_copy(dst: torch.Tensor, src: torch.Tensor) -> float:
@@ -179,23 +191,26 @@ def _timed_copy_of(pair: list) -> float:
 
 
 class _CpuCopier(_CopyTimes):
-    """Copies on the CPU device: in the calling thread, or on one worker thread (prefetch). Each
-    copy is timed where it runs (perf_counter)."""
+    """Copies on the CPU device: in the calling thread, or on a worker thread per direction
+    (prefetch; copies out ahead). Each copy is timed where it runs (perf_counter)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self.pools: Dict[bool, concurrent.futures.ThreadPoolExecutor] = {}  # out -> its worker
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor, out: bool = False) -> None:
         self._book(_OUT if out else _IN, dst.nbytes, _timed_copy(dst, src))
 
-    def start(self, dst: torch.Tensor, src: torch.Tensor):
-        """Begin ``dst.copy_(src)`` beside compute; returns a handle for ``wait``/``done``. The
-        worker has no dispatch mode of its own (modes are per thread): the copy is not an op."""
-        if self.pool is None:
-            self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pymem-prefetch")
-        handle = self.pool.submit(_timed_copy_of, [dst, src])
-        self._track(None, handle, dst.nbytes, _PREFETCH)  # one worker: its copies complete in order
+    def start(self, dst: torch.Tensor, src: torch.Tensor, out: bool = False):
+        """Begin ``dst.copy_(src)`` beside compute (``out``: to the host); returns a handle for
+        ``wait``/``done``. A worker has no dispatch mode of its own (modes are per thread): the
+        copy is not an op."""
+        pool = self.pools.get(out)
+        if pool is None:
+            name = "pymem-copy-out" if out else "pymem-prefetch"
+            pool = self.pools[out] = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=name)
+        handle = pool.submit(_timed_copy_of, [dst, src])
+        self._track(out, handle, dst.nbytes, _AHEAD if out else _PREFETCH)  # one worker each: in order
         return handle
 
     @staticmethod
@@ -223,18 +238,20 @@ class _CpuCopier(_CopyTimes):
             return 0.0
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=True)
-            self.pool = None
+        for pool in self.pools.values():
+            pool.shutdown(wait=True)
+        self.pools.clear()
         self.harvest(wait=True)
 
 
 class _CudaCopier(_CopyTimes):
     """Copies on CUDA. Out: synchronous (the device buffer is freed right after, and the arena's
     library cannot see a side stream's use of it): enqueued on the compute stream, then waited for
-    at its end event. In, on demand: on the compute stream (ordered before every reader). Prefetch:
-    on a side stream after the compute stream's work so far; the compute stream waits for it when
-    the value is adopted. Each copy sits between two timing events on its stream (start, done):
+    at its end event. Out ahead: on a second side stream after the compute stream's work so far;
+    the swapper holds the source storage until it is done, and the compute stream waits for it
+    before anything frees or writes that block. In, on demand: on the compute stream (ordered
+    before every reader). Prefetch: on a side stream after the compute stream's work so far; the
+    compute stream waits for it when the value is adopted. Each copy sits between two timing events on its stream (start, done):
     ``start.elapsed_time(done)`` is the copy engine's time for it (``start`` completes when the work
     before it on the stream has, so that is not counted); a use's wait for a prefetch still running
     sits between two on the compute stream (how long compute stood still). An elapsed time is read
@@ -245,7 +262,7 @@ class _CudaCopier(_CopyTimes):
         super().__init__()
         self.device = device
         self.host = host
-        self.side = None
+        self.sides: Dict[bool, object] = {}  # out -> its side stream
 
     @staticmethod
     def _event():
@@ -264,18 +281,19 @@ class _CudaCopier(_CopyTimes):
             self.host.used_by_copy(src, stream)
             self._track(stream.cuda_stream, (start, done), dst.nbytes, _IN)
 
-    def start(self, dst: torch.Tensor, src: torch.Tensor):
-        if self.side is None:
-            self.side = torch.cuda.Stream(self.device)
+    def start(self, dst: torch.Tensor, src: torch.Tensor, out: bool = False):
+        side = self.sides.get(out)
+        if side is None:
+            side = self.sides[out] = torch.cuda.Stream(self.device)
         compute = torch.cuda.current_stream(self.device)  # taken outside the side stream's context
-        self.side.wait_stream(compute)  # dst was allocated (and possibly last used) on compute
+        side.wait_stream(compute)  # dst was allocated (and possibly last used), src made, on compute
         start, done = self._event(), self._event()
-        with torch.cuda.stream(self.side):
-            start.record(self.side)
+        with torch.cuda.stream(side):
+            start.record(side)
             dst.copy_(src, non_blocking=True)
-            done.record(self.side)
-        self.host.used_by_copy(src, self.side)
-        self._track(self.side.cuda_stream, (start, done), dst.nbytes, _PREFETCH)
+            done.record(side)
+        self.host.used_by_copy(dst if out else src, side)
+        self._track(side.cuda_stream, (start, done), dst.nbytes, _AHEAD if out else _PREFETCH)
         return done
 
     @staticmethod
@@ -304,8 +322,8 @@ class _CudaCopier(_CopyTimes):
         return start.elapsed_time(done) / 1e3  # milliseconds
 
     def close(self) -> None:
-        if self.side is not None:
-            self.side.synchronize()
+        for side in self.sides.values():
+            side.synchronize()
         self.harvest(wait=True)  # what is left was enqueued before now
 
 
@@ -332,6 +350,12 @@ class Swapper:
         self.offloaded: List[weakref.ref] = []
         self._prune_at = 4096
         self.in_flight: Dict[Record, tuple] = {}  # record -> (device buffer, copy handle)
+        # Copies out ahead, oldest first (they complete in that order): record -> (host buffer,
+        # a view of its storage held until done, copy handle).
+        self.out_flight: Dict[Record, tuple] = {}
+        self.release_when_out: set = set()  # planned releases waiting for their copy out ahead
+        self.num_copies_ahead = 0
+        self.copied_ahead_bytes = 0
         self.num_offloads = 0
         self.offloaded_bytes = 0
         self.copied_out_bytes = 0
@@ -355,6 +379,11 @@ class Swapper:
         """Give ``r`` a host copy of its value (held in ``sref``), unless it has one. False when the
         host pool's cap leaves no room: the caller evicts instead (a leaf is released only after
         the pool said it fits, residency.releasable)."""
+        self.rt.trace.note_offload(r)  # its counterpart in the steps to come is copied out ahead
+        if r in self.out_flight:  # copied out ahead: what is left of that copy
+            t0 = _perf()
+            self.finish_out(r)
+            self.seconds += _perf() - t0
         if r.host is None:
             t0 = _perf()
             with own_work():  # not ops of the program (pymem.evict runs under the mode)
@@ -372,6 +401,53 @@ class Swapper:
         if self.prefetch_enabled:
             self._queue(r)
         return True
+
+    # ------------------------------------------------------------------ out, ahead
+    def copy_ahead(self, r: Record) -> None:
+        """Start the copy out of resident ``r`` beside compute (the step before offloaded its
+        counterpart: the plan's copy out ahead). Nothing when it has a host copy, is not in the
+        arena, or the host pool's cap leaves no room."""
+        if r.host is not None or r in self.out_flight or r.evicted or not r.in_arena or r in self.rt.cache:
+            return
+        s = r.sref
+        if s is None or not s.alive:
+            return
+        with own_work():
+            host = self.host.empty(r.nbytes)
+            if host is None:
+                return
+            src = s.view(torch.uint8, [r.nbytes], [1], 0)
+            self.out_flight[r] = (host, src, self.copier.start(host, src, out=True))
+        self.num_copies_ahead += 1
+        self.copied_ahead_bytes += r.nbytes
+
+    def finish_out(self, r: Record) -> None:
+        """r's copy out ahead is complete before what follows (the compute stream waits for it on
+        CUDA; the CPU worker is waited for): r's value is about to be freed or written. r keeps the
+        host copy (its value's: nothing wrote it meanwhile)."""
+        host, src, handle = self.out_flight.pop(r)
+        self.release_when_out.discard(r)
+        self.copier.wait(handle, timed=True)
+        self._out_done(r, host)
+        del src
+
+    def _out_done(self, r: Record, host: torch.Tensor) -> None:
+        if r.host is None:
+            r.host = host
+            self.copied_out_bytes += r.nbytes
+
+    def _adopt_out(self) -> None:
+        """Copies out ahead that are done: their host copies are the records' (oldest first, and
+        they complete in order: the first still running ends the look)."""
+        done = self.copier.done
+        for r, (host, _, handle) in list(self.out_flight.items()):
+            if not done(handle):
+                break
+            del self.out_flight[r]
+            self._out_done(r, host)
+            if r in self.release_when_out:  # the plan released it early: now it copies nothing
+                self.release_when_out.discard(r)
+                self.rt.release_copied(r)
 
     def _queue(self, r: Record) -> None:
         """Queue r's copy back: by its planned next read where the plan places one in this step."""
@@ -443,8 +519,10 @@ class Swapper:
 
     # ------------------------------------------------------------------ prefetch
     def after_op(self) -> None:
-        """Adopt finished prefetches; start new ones while they fit. Called after each op that
-        left offloaded values or copies in flight."""
+        """Adopt finished copies (back, and out ahead); start new prefetches while they fit. Called
+        after each op that left offloaded values or copies in flight."""
+        if self.out_flight:
+            self._adopt_out()
         if self.in_flight:
             done = self.copier.done
             for r in [r for r, (_, h) in self.in_flight.items() if done(h)]:
@@ -524,7 +602,7 @@ class Swapper:
         leave ``request`` bytes (what was being allocated) free of prefetches for the rest of the
         step. Returns the bytes freed."""
         if not self.in_flight:
-            return 0
+            return self._settle_out()
         r = next(iter(self.in_flight))
         buf, handle = self.in_flight.pop(r)
         self.copier.wait(handle)
@@ -536,10 +614,20 @@ class Swapper:
         del buf
         return r.nbytes
 
+    def _settle_out(self) -> int:
+        """Pressure, nothing else to give up: wait for the copies out ahead, whose hold on storages
+        the program freed keeps their blocks. Returns the bytes those storages free."""
+        held = list(self.out_flight)
+        for r in held:
+            self.finish_out(r)
+        return sum(r.nbytes for r in held if r.sref is None or not r.sref.alive)
+
     def close(self) -> None:
         """Wait for every copy in flight and adopt it (stop: nothing may write after)."""
         for r in list(self.in_flight):
             self._adopt(r)
+        for r in list(self.out_flight):
+            self.finish_out(r)
         self.copier.close()
 
     def stats(self) -> dict:
@@ -554,6 +642,8 @@ class Swapper:
             "num_prefetches_cancelled": self.num_prefetches_cancelled,
             "num_leaf_offloads": self.num_leaf_offloads,
             "num_late_uses": self.num_late_uses,
+            "num_copies_ahead": self.num_copies_ahead,
+            "copied_ahead_bytes": self.copied_ahead_bytes,
             "swap_seconds": self.seconds,
             **self.copier.time_stats(),
             **self.host.stats(),
@@ -565,10 +655,10 @@ NO_SWAP_STATS = {k: 0 for k in ("num_offloads", "offloaded_bytes", "offload_copi
                                 "swapped_in_bytes", "num_prefetches", "prefetched_bytes", "num_prefetches_cancelled",
                                 "host_bytes", "host_bytes.peak", "host_reserved_bytes", "num_host_chunks",
                                 "num_host_allocs", "num_host_pending", "num_host_refused", "num_leaf_offloads",
-                                "num_late_uses")}
+                                "num_late_uses", "num_copies_ahead", "copied_ahead_bytes")}
 NO_SWAP_STATS["host_budget"] = 0
 NO_SWAP_STATS["swap_seconds"] = 0.0
-NO_SWAP_STATS.update(offload_copy_seconds=0.0, offload_copy_timed_bytes=0, swap_in_copy_seconds=0.0,
+NO_SWAP_STATS.update(offload_copy_seconds=0.0, offload_copy_timed_bytes=0, copy_ahead_seconds=0.0, swap_in_copy_seconds=0.0,
                      swap_in_copy_timed_bytes=0, swap_stall_seconds=0.0)
 
 

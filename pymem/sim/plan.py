@@ -36,6 +36,22 @@ def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
             "value_recomputable": trace.value_recomputable}
 
 
+def copy_ahead(trace: Trace, sim: Simulator) -> Dict[int, int]:
+    """What the runtime copies out ahead in the step after ``sim``'s (swap.copy_ahead): each value
+    it offloaded, from the op that makes it (the step trace gives it its index there), or for a
+    value made before the step, from its first read in the step; or from the step's start (the
+    previous step made it) when it was offloaded before that read, as the runtime then knows it by
+    the index it was made with."""
+    out = {}
+    for v, at in sim.offloaded_at.items():
+        producer = int(trace.value_producer[v])
+        if producer < 0:
+            first = sim.readers[v][0] if sim.readers[v] else trace.num_ops
+            producer = -1 if at <= first else first
+        out[v] = producer
+    return out
+
+
 def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     """The step the runtime settles on with ``plan="auto"`` (``Simulator``'s keywords), with
     ``plan_releases`` ("learned" or "cover": how it was planned) and ``plan_steps`` (each step
@@ -52,6 +68,7 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
 
     def run(sim: Simulator, how: str) -> Tuple[Dict, Dict, Dict]:
         out = sim.run()
+        kw["copy_ahead"] = copy_ahead(trace, sim)
         cost = _C.comeback_cost(dict(step, back_at=sim.events["back_at"], back_value=sim.events["back_value"]))
         return out, sim.events, {"plan": how, "status": out["status"], "overhead": out["overhead"],
                                  "comeback_seconds": cost, "compaction_seconds": out["compaction_seconds"]}

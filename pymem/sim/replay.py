@@ -16,8 +16,13 @@ simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, 
   for ``coop``); a released value is offloaded when the director says so (leaves are only ever
   offloaded, and only when offloading is on), evicted otherwise;
 - costs: an op's seconds from the GPU cost model (``launch + max(flops / rate, bytes /
-  bandwidth)``, pymem.gpus) or as the trace recorded them; a copy out is exposed (it completes
-  before its buffer is reused); copies back run on one queue beside compute, started ahead of
+  bandwidth)``, pymem.gpus) or as the trace recorded them; a copy out runs on the queue of copies to
+  the host and is exposed (it completes before its buffer is reused), unless it was started ahead
+  (``copy_ahead``: swap.py's copies out ahead of the values the step before offloaded, started
+  right after the op that made the value and waited for only by its release, or by an op that
+  writes it in place; a block being copied out does not move; the plan's early release of such a
+  value happens once its copy is done); copies back run on one queue
+  beside compute, started ahead of
   use as swap.py starts them (the plan's next read first, ``_LEAD`` copy times ahead, further for
   a value whose use waited in an earlier step, or sooner when the copies queued behind it would
   otherwise come late, at most ``_PREFETCH_DEPTH`` in flight, only into
@@ -61,7 +66,7 @@ class _Value:
     """One value of the trace, as a policy sees it (pymem.policies.TensorView)."""
 
     __slots__ = ("sim", "index", "nbytes", "compute_cost", "last_access", "recipe", "state", "addr", "locks",
-                 "host", "dead", "ready_at", "waits", "need_rank")
+                 "host", "host_at", "dead", "ready_at", "waits", "need_rank")
 
     def __init__(self, sim: "Simulator", index: int, nbytes: int, recipe: bool) -> None:
         self.sim, self.index, self.nbytes, self.recipe = sim, index, nbytes, recipe
@@ -70,7 +75,8 @@ class _Value:
         self.state = NEW
         self.addr = 0
         self.locks = 0
-        self.host = False   # a valid host copy exists
+        self.host = False   # a host copy exists, or is being made (then complete at host_at)
+        self.host_at = 0.0
         self.dead = False   # the program freed it: it lives on only for recomputes that read it
         self.ready_at = 0.0  # > 0: copied back ahead of use; its copy completes at this clock
         self.waits = 0       # > 0: a pending restore reads it (released only as a last resort)
@@ -104,7 +110,7 @@ class _Value:
 
     @property
     def has_host_copy(self) -> bool:
-        return self.host
+        return self.host and self.host_at <= self.sim.clock
 
     @property
     def next_use(self) -> Optional[float]:
@@ -118,7 +124,8 @@ class Simulator:
     def __init__(self, trace: Trace, budget: int, policy: str = "dtr", offload: str = "never", plan: str = "off",
                  device: Optional[str] = "h100", search: str = "handler", link_bytes_per_s: Optional[float] = None,
                  prefetch: bool = True, releases: Sequence[Tuple[int, int]] = (), releases_chains: bool = False,
-                 lead: Optional[Dict[int, float]] = None, move_bytes_per_s: Optional[float] = None) -> None:
+                 lead: Optional[Dict[int, float]] = None, move_bytes_per_s: Optional[float] = None,
+                 copy_ahead: Optional[Dict[int, int]] = None) -> None:
         if plan not in ("auto", "off"):
             raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
         releases = [(int(k), int(v)) for k, v in releases]
@@ -128,6 +135,11 @@ class Simulator:
         if bad:
             raise ValueError(f"releases must be (op position, value) pairs of the trace (0..{trace.num_ops - 1}, "
                              f"0..{trace.num_values - 1}); got {bad[:3]}")
+        copy_ahead = {int(v): int(k) for v, k in (copy_ahead or {}).items()}
+        bad = [(v, k) for v, k in copy_ahead.items() if not (0 <= v < trace.num_values and -1 <= k < trace.num_ops)]
+        if bad:
+            raise ValueError(f"copy_ahead must map values of the trace (0..{trace.num_values - 1}) to the op "
+                             f"after which their copy out starts (-1: the step's start); got {bad[:3]}")
         if not isinstance(budget, (int, np.integer)) or budget <= 0:
             raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
         self.trace, self.budget = trace, int(budget) // _C.ALIGNMENT * _C.ALIGNMENT  # the arena's unit
@@ -207,6 +219,16 @@ class Simulator:
         self.prefetch_backoff = 0  # bytes a cancelled prefetch's request needed: left free after
         self.copy_hidden = 0.0
         self.prefetches = 0
+        # Copies out ahead (swap.copy_ahead): ahead_after[k], the values whose copy starts after op
+        # k (-1: at the step's start), on the queue to the host, idle from d2h_free.
+        self.ahead_after: Dict[int, List[int]] = {}
+        for v, k in sorted(copy_ahead.items()):
+            self.ahead_after.setdefault(k, []).append(v)
+        self.d2h_free = 0.0
+        self.release_when_copied: List[_Value] = []  # planned releases waiting for their copy out
+        self.copies_ahead = 0
+        self.copy_out_exposed = 0.0
+        self.offloaded_at: Dict[int, int] = {}  # value -> step position of its first offload (for the next step)
 
     # --- the graph ---
     def parents(self, v: int):
@@ -267,9 +289,8 @@ class Simulator:
             self.in_flight.pop(v.index, None)
             v.ready_at = 0.0
         if not v.recipe or (not v.dead and self.director.evaluate(v, self.clock)):
-            if not v.host:
-                self._spend_copy(v.swap_cost)  # the copy out completes before the buffer is reused
-                v.host = True
+            self._copied_out(v)
+            self.offloaded_at.setdefault(v.index, self.position if at is None else at)
             v.state = OFFLOADED
             self.offloads += 1
             self.offloaded_bytes += v.nbytes
@@ -280,6 +301,23 @@ class Simulator:
             self.evictions += 1
         self._free(v)
         return v.nbytes
+
+    def _copied_out(self, v: _Value) -> None:
+        """v's host copy is complete before its buffer is reused: the rest of a copy started ahead,
+        else a copy now, behind those queued to the host (one link each way)."""
+        if not v.host:
+            v.host, v.host_at = True, max(self.clock, self.d2h_free) + v.swap_cost
+            self.d2h_free = v.host_at
+        wait = max(0.0, v.host_at - self.clock)
+        self.copy_out_exposed += wait
+        self._spend_copy(wait)
+
+    def _copy_ahead(self, v: _Value) -> None:
+        """swap.copy_ahead: start v's copy out now, beside compute, while it stays resident."""
+        if v.state == RESIDENT and not v.host and not v.dead and v.nbytes:
+            v.host, v.host_at = True, max(self.clock, self.d2h_free) + v.swap_cost
+            self.d2h_free = v.host_at
+            self.copies_ahead += 1
 
     def _queue(self, v: _Value, at: Optional[int] = None) -> None:
         """Queue v's copy back by its next read at or after ``at`` (default: the op running; a
@@ -430,7 +468,8 @@ class Simulator:
         return True
 
     def _compact(self, request: int) -> bool:
-        movable = {a: (v, None, self._releasable(v)) for a, v in self.by_addr.items() if v.locks == 0}
+        movable = {a: (v, None, self._releasable(v)) for a, v in self.by_addr.items()
+                   if v.locks == 0 and v.host_at <= self.clock}  # a block being copied out stays
         evaluate, cost, now = self.policy.evaluate, self.policy.block_cost, self.clock
         chosen = compaction_plan.plan(self.arena.blocks(), request, movable,
                                       lambda v: (v.waits > 0, v.need_rank, evaluate(v, now)),
@@ -510,11 +549,13 @@ class Simulator:
             if v.recipe:
                 self.neighbourhood.on_evict(v.index, v.compute_cost, self.neighbours(v.index))
             v.state = EVICTED if v.recipe else GONE
-        v.host = False
+        v.host, v.host_at = False, 0.0
 
     def _run_op(self, k: int) -> None:
         t = self.trace
         self.position = k
+        if self.release_when_copied:
+            self._release_copied()
         if self.prefetch and (self.away_planned or self.away_stack or self.in_flight):  # swap.after_op's condition
             self._prefetch()
         ins = [self.values[i] for i in t.op_inputs(k)]
@@ -530,6 +571,8 @@ class Simulator:
                 w = int(t.value_overwrites[o])
                 if w >= 0 and self.values[w].state == RESIDENT:  # in place: v takes over w's bytes
                     old = self.values[w]
+                    if old.host_at > self.clock:  # its copy out reads them: done first
+                        self._spend_copy(old.host_at - self.clock)
                     v.addr, old.addr = old.addr, 0
                     if v.addr:
                         self.by_addr[v.addr] = v
@@ -558,6 +601,8 @@ class Simulator:
             v.dead = True
             if v.locks == 0:
                 self._drop(v)
+        for d in self.ahead_after.get(k, ()):
+            self._copy_ahead(self.values[d])
         for d in self.due.get(k, ()):
             self._release_planned(self.values[d], k)
 
@@ -569,8 +614,20 @@ class Simulator:
         if not self.releases_chains and any(self.values[c].state == EVICTED and not self.values[c].dead
                                             for k in self.readers[v.index] for c in self.trace.op_outputs(k)):
             return
+        if v.host_at > self.clock:  # its copy out ahead runs: released once it is done, not waited for
+            self.release_when_copied.append(v)
+            return
         self._release(v, at=k + 1)
         self.planned_releases += 1
+
+    def _release_copied(self) -> None:
+        """swap._adopt_out: planned releases whose copy out ahead is done now go (those still here)."""
+        waiting = self.release_when_copied
+        for v in [v for v in waiting if v.host_at <= self.clock]:
+            waiting.remove(v)
+            if v.recipe and not v.dead and v.waits == 0 and self._releasable(v):
+                self._release(v, at=self.position)
+                self.planned_releases += 1
 
     def run(self) -> Dict:
         """Replay the step once. Returns {"status": "ok" | "oom" | "thrash", "overhead",
@@ -581,6 +638,8 @@ class Simulator:
         try:
             for v in np.flatnonzero(t.value_producer < 0):  # made before the step: resident at its start
                 self._allocate(self.values[int(v)])
+            for v in self.ahead_after.get(-1, ()):
+                self._copy_ahead(self.values[v])
             for k in range(t.num_ops):
                 self._run_op(k)
         except _OOM as e:
@@ -596,6 +655,7 @@ class Simulator:
                "fragmentation": float(st["fragmentation.pressure"]), "evictions": self.evictions,
                "offloads": self.offloads, "offloaded_bytes": self.offloaded_bytes, "recompute_seconds": self.recompute_seconds,
                "copy_seconds_hidden": self.copy_hidden, "copy_seconds_exposed": self.copy_seconds,
+               "copy_out_seconds_exposed": self.copy_out_exposed, "copies_ahead": self.copies_ahead,
                "prefetches": self.prefetches, "prefetches_cancelled": self.prefetches_cancelled,
                "late_uses": self.late_uses,
                "step_seconds": base, "recomputes": self.recomputes, "copies_back": self.copies_back,
