@@ -30,9 +30,9 @@ of the step trace: csrc/step_trace.h, note_offload) starts its copy out as soon 
 beside compute (a second worker thread on the CPU device, a second side stream on CUDA: one queue
 per direction) while it stays resident. Its release then copies nothing, or waits only for the
 rest of that copy (the plan's early release of it happens once the copy is done); an op that
-writes it in place waits for the copy first (run_op). The copy holds
-the value's storage, so its block is neither freed nor moved (compaction.movable_blocks) before
-the copy is done; the host copy is the record's once the copy is done (checked after each op).
+writes it in place waits for the copy first (run_op). The copy holds the value's storage, so its
+block is neither freed nor moved (compaction.movable_blocks) before the copy is done; the host
+copy is the record's once the copy is done (checked after each op).
 """
 import collections
 import concurrent.futures
@@ -251,10 +251,11 @@ class _CudaCopier(_CopyTimes):
     the swapper holds the source storage until it is done, and the compute stream waits for it
     before anything frees or writes that block. In, on demand: on the compute stream (ordered
     before every reader). Prefetch: on a side stream after the compute stream's work so far; the
-    compute stream waits for it when the value is adopted. Each copy sits between two timing events on its stream (start, done):
-    ``start.elapsed_time(done)`` is the copy engine's time for it (``start`` completes when the work
-    before it on the stream has, so that is not counted); a use's wait for a prefetch still running
-    sits between two on the compute stream (how long compute stood still). An elapsed time is read
+    compute stream waits for it when the value is adopted. Each copy sits between two timing
+    events on its stream (start, done): ``start.elapsed_time(done)`` is the copy engine's time for
+    it (``start`` completes when the work before it on the stream has, so that is not counted); a
+    wait for a copy still running sits between two on the compute stream (how long compute stood
+    still). An elapsed time is read
     once its end event is known to have completed (a query, or the out copy's own wait): timing
     adds no synchronization."""
 
@@ -354,6 +355,7 @@ class Swapper:
         # a view of its storage held until done, copy handle).
         self.out_flight: Dict[Record, tuple] = {}
         self.release_when_out: set = set()  # planned releases waiting for their copy out ahead
+        self.kept: List[torch.Tensor] = []  # views of released storages, dropped after the op
         self.num_copies_ahead = 0
         self.copied_ahead_bytes = 0
         self.num_offloads = 0
@@ -382,7 +384,9 @@ class Swapper:
         self.rt.trace.note_offload(r)  # its counterpart in the steps to come is copied out ahead
         if r in self.out_flight:  # copied out ahead: what is left of that copy
             t0 = _perf()
-            self.finish_out(r)
+            # The copy's view may be all that holds the storage now (the program freed it): kept
+            # until the next op, so that the release finds it alive.
+            self.kept.append(self.finish_out(r))
             self.seconds += _perf() - t0
         if r.host is None:
             t0 = _perf()
@@ -421,15 +425,16 @@ class Swapper:
         self.num_copies_ahead += 1
         self.copied_ahead_bytes += r.nbytes
 
-    def finish_out(self, r: Record) -> None:
+    def finish_out(self, r: Record) -> torch.Tensor:
         """r's copy out ahead is complete before what follows (the compute stream waits for it on
         CUDA; the CPU worker is waited for): r's value is about to be freed or written. r keeps the
-        host copy (its value's: nothing wrote it meanwhile)."""
+        host copy (its value's: nothing wrote it meanwhile). Returns the view of r's storage the
+        copy held (dropping it may free the storage)."""
         host, src, handle = self.out_flight.pop(r)
         self.release_when_out.discard(r)
         self.copier.wait(handle, timed=True)
         self._out_done(r, host)
-        del src
+        return src
 
     def _out_done(self, r: Record, host: torch.Tensor) -> None:
         if r.host is None:
@@ -521,6 +526,7 @@ class Swapper:
     def after_op(self) -> None:
         """Adopt finished copies (back, and out ahead); start new prefetches while they fit. Called
         after each op that left offloaded values or copies in flight."""
+        self.kept.clear()
         if self.out_flight:
             self._adopt_out()
         if self.in_flight:
@@ -628,6 +634,7 @@ class Swapper:
             self._adopt(r)
         for r in list(self.out_flight):
             self.finish_out(r)
+        self.kept.clear()
         self.copier.close()
 
     def stats(self) -> dict:
