@@ -156,7 +156,8 @@ int32_t StepTrace::new_value(RecordObject* r, int32_t producer) {
   r->trace_step = step();
   r->trace_value = v;
   if (following_ && static_cast<size_t>(v) < offloaded_.size() && offloaded_[static_cast<size_t>(v)] != 0)
-    ahead_.push_back(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(r)));
+    ahead_.emplace_back(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(r)),
+                        offloaded_at_[static_cast<size_t>(v)]);
   if (following_ && plan_.released_early(v)) {  // the plan releases it early: find it then
     PyObject* w = PyWeakref_NewRef(reinterpret_cast<PyObject*>(r), nullptr);
     if (w == nullptr) throw py::error_already_set();
@@ -196,13 +197,17 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
 void StepTrace::note_offload(const RecordObject* r) {
   if (!planning_ || r->trace_step <= 0 || r->trace_step + 1 < step() || r->trace_value < 0) return;
   const auto v = static_cast<size_t>(r->trace_value);
-  if (v >= offloaded_.size()) offloaded_.resize(v + 1, 0);
+  if (v >= offloaded_.size()) {
+    offloaded_.resize(v + 1, 0);
+    offloaded_at_.resize(v + 1, 0);
+  }
   offloaded_[v] |= 1;
+  offloaded_at_[v] = static_cast<int32_t>(current_.op.size());
 }
 
 py::list StepTrace::take_ahead() {
   py::list out;
-  for (py::object& r : ahead_) out.append(std::move(r));
+  for (auto& [r, at] : ahead_) out.append(py::make_tuple(std::move(r), at));
   ahead_.clear();
   return out;
 }
@@ -341,7 +346,8 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           "note_offload", [](StepTrace& t, py::handle r) { t.note_offload(record_arg(r, "note_offload")); },
           py::arg("record"), "Offloading: the record's value goes to host memory now (its copy starts ahead from now on).")
       .def("take_ahead", &StepTrace::take_ahead,
-           "The records given an index by the op just booked whose values were offloaded in this step or the one before.")
+           "(record, step position of its last offload) for each record given an index by the op just booked whose "
+           "value was offloaded in this step or the one before.")
       .def("end_step", &StepTrace::end_step, py::arg("moved_seconds") = 0.0,
            "The current step is complete; it spent `moved_seconds` moving blocks (compactions), which the "
            "choice of how to plan counts with its comebacks.")

@@ -92,7 +92,8 @@ class StepTrace {
   // soon as it has it, in that step and the next (swap.copy_ahead): r's index is that of the step
   // now or, when r was not seen in it yet, of the step before (a value made there, released here).
   void note_offload(const RecordObject* r);
-  // The records given an index by the op just booked whose values were offloaded (note_offload).
+  // The records given an index by the op just booked whose values were offloaded (note_offload),
+  // each as (record, the step position it was last offloaded at: copies out go in that order).
   pybind11::list take_ahead();
 
   // A step longer than this is dropped and recording starts over: a program that never marks a
@@ -131,7 +132,8 @@ class StepTrace {
   std::vector<int32_t> due_;  // values due for release after the op just booked
   // By value index: bit 0, offloaded in this step (note_offload); bit 1, in the step before.
   std::vector<uint8_t> offloaded_;
-  std::vector<pybind11::object> ahead_;  // records to copy out ahead after the op just booked
+  std::vector<int32_t> offloaded_at_;  // by value index: the step position of its last note_offload
+  std::vector<std::pair<pybind11::object, int32_t>> ahead_;  // (record, offloaded_at_) to copy out ahead
   int64_t num_steps_ = 0;
   int64_t num_dropped_ = 0;
 };

@@ -567,8 +567,9 @@ def test_plan_auto_with_offloading_copies_out_ahead_what_the_step_before_offload
     from pymem.sim.plan import copy_ahead
     ahead = copy_ahead(t, first)
     # y from op 0, which makes it; x (made before the step) from op 0 too, its first read, where
-    # the runtime's step trace first gives it an index (it went out after that read)
-    assert ahead == {0: 0, 1: 0}
+    # the runtime's step trace first gives it an index (it went out after that read); both with
+    # where they went out (op 9), the order their copies start in
+    assert ahead == {0: (0, 9), 1: (0, 9)}
 
 
 def test_bad_copy_ahead_is_refused():
@@ -576,3 +577,16 @@ def test_bad_copy_ahead_is_refused():
         Simulator(_made_then_pushed_out(), 4 * MiB, device=None, copy_ahead={99: 0})
     with pytest.raises(ValueError, match="copy_ahead must map values of the trace"):
         Simulator(_made_then_pushed_out(), 4 * MiB, device=None, copy_ahead={1: 11})
+    with pytest.raises(ValueError, match="copy_ahead must map values of the trace"):
+        Simulator(_made_then_pushed_out(), 4 * MiB, device=None, copy_ahead={1: (-2, 3)})
+
+
+def test_copies_out_ahead_start_by_expected_release_while_few_bytes_are_queued():
+    # Two values made before the step, 300 MiB each (more than the queue holds): the one expected
+    # to go out first is copied first, the other only once that copy is done.
+    big = 300 * MiB
+    t = _trace([("a", 1.0, [0, 1], [2]), ("b", 1.0, [2], [3])],
+               [(big, -1, 0, -1), (big, -1, 0, -1), (1024, 0, 1, -1), (1024, 1, 1, -1)])
+    sim = Simulator(t, 1 << 40, device=None, link_bytes_per_s=big, copy_ahead={0: (-1, 20), 1: (-1, 9)})
+    sim.run()
+    assert sim.values[1].host_at == 1.0 and sim.values[0].host_at == 2.0

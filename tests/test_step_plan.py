@@ -173,7 +173,7 @@ def test_offloaded_values_come_back_in_the_order_the_plan_reads_them(managed):
     # A fixed copy time (8 us a copy), not the rate timed at start: on a loaded machine a slow timing
     # made the in-trigger reach over two reads, and two copies started after the same op.
     rt.residency.link_bandwidth = (1 << 16) / 8e-6
-    rt.swap.copy_ahead = lambda r: None  # as below: copies back counted in ops, not worker timing
+    rt.swap.copy_ahead = lambda r, due: None  # as below: copies back counted in ops, not worker timing
     x = torch.ones(1 << 14)
     expected = [float((x * k + (x + 1)).sum()) for k in (2, 3, 5)]
     started = {}
@@ -196,7 +196,7 @@ def test_a_use_that_waited_for_its_copy_moves_the_copy_earlier_next_step(managed
     rt.residency.link_bandwidth = (1 << 16) / 8e-6
     # No copies out ahead: when one is done decides when the plan's early release happens (a
     # worker thread's timing), which would move the copies back this test counts in ops.
-    rt.swap.copy_ahead = lambda r: None
+    rt.swap.copy_ahead = lambda r, due: None
     x = torch.ones(1 << 14)
     started = {}
     _spy_on_copies(rt, started)

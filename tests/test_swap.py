@@ -490,7 +490,7 @@ def test_a_write_in_place_waits_for_the_copy_out_ahead_of_its_value(recipe):
         assert (r.recipe is not None) == recipe
         go = threading.Event()
         _gate_copies_out(rt, go)
-        rt.swap.copy_ahead(r)
+        rt.swap.copy_ahead(r, 0)
         assert r in rt.swap.out_flight and r.host is None
         threading.Timer(0.2, go.set).start()  # the write below must wait for it
         with torch.no_grad():
@@ -515,7 +515,7 @@ def test_a_release_waits_for_the_copy_out_ahead_and_copies_nothing_more():
         r = rt.table[pymem._C.storage_key(y)]
         go = threading.Event()
         _gate_copies_out(rt, go)
-        rt.swap.copy_ahead(r)
+        rt.swap.copy_ahead(r, 0)
         copied = pymem.memory_stats()["offload_copied_bytes"]
         threading.Timer(0.2, go.set).start()
         pymem.evict(y)  # offloaded: by the copy started ahead
@@ -538,7 +538,7 @@ def test_a_block_being_copied_out_ahead_is_not_moved():
         r = rt.table[pymem._C.storage_key(y)]
         go = threading.Event()
         _gate_copies_out(rt, go)
-        rt.swap.copy_ahead(r)
+        rt.swap.copy_ahead(r, 0)
         from pymem.runtime.compaction import movable_blocks
         assert y.untyped_storage().data_ptr() not in movable_blocks(rt)
         go.set()
@@ -557,3 +557,37 @@ def test_copies_out_ahead_train_bitwise_equal_and_spare_the_copies_at_release(ma
     stats = trained_bitwise_equal(managed, name, 0.3, "dtr", offload="always", plan="auto")
     assert stats["num_copies_ahead"] > 0, stats
     assert stats["copied_ahead_bytes"] > stats["offload_copied_bytes"] / 4, stats
+
+
+def test_copies_out_ahead_wait_their_turn_by_expected_release(monkeypatch):
+    """Copies out ahead start while few bytes are queued (one here), the one whose release the
+    step before made first going first: not in the order the values were made."""
+    import pymem.runtime.swap as swap_module
+
+    monkeypatch.setattr(swap_module, "_OUT_QUEUE_BYTES", 1)
+    rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)
+    try:
+        x = torch.ones(MiB // 4).requires_grad_()
+        a, b, c = x * 2, x * 3, x * 5
+        recs = {rt.table[pymem._C.storage_key(t)]: n for t, n in ((a, "a"), (b, "b"), (c, "c"))}
+        order, start = [], rt.swap.copier.start
+        go = threading.Event()
+
+        def spy(dst, src, out=False):
+            order.append(float(src.view(torch.float32)[0]))
+            return start(dst, _Held(src, go), out=out)
+
+        rt.swap.copier.start = spy
+        by_name = {n: r for r, n in recs.items()}
+        rt.swap.copy_ahead(by_name["a"], 5)  # the queue is empty: it starts now
+        rt.swap.copy_ahead(by_name["b"], 9)
+        rt.swap.copy_ahead(by_name["c"], 1)  # expected first of the two waiting
+        assert order == [2.0] and len(rt.swap.ahead_waiting) == 2
+        go.set()
+        rt.swap.finish_out(by_name["a"])
+        rt.swap.after_op()
+        rt.swap.finish_out(by_name["c"])
+        rt.swap.after_op()
+        assert order == [2.0, 5.0, 3.0]
+    finally:
+        pymem.disable()

@@ -620,8 +620,8 @@ class Runtime(_C.RuntimeBase):
         out ahead of values the step before offloaded (swap.copy_ahead), then early releases."""
         ahead = self.trace.take_ahead()
         if ahead and self.swap is not None:
-            for r in ahead:
-                self.swap.copy_ahead(r)
+            for r, due in ahead:
+                self.swap.copy_ahead(r, due)
         self.release_planned()
 
     def release_planned(self) -> None:

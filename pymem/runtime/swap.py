@@ -26,9 +26,12 @@ as evicted until it is adopted: when its copy is done (checked after each op) or
 Copy out ahead (Capuchin's swap-out ahead of release, ZeRO-Offload's overlapped transfers): a
 synchronous copy out stalls compute for its whole time, at the moment memory is shortest. While
 the steps follow their plan, a value whose counterpart the step before offloaded (the same index
-of the step trace: csrc/step_trace.h, note_offload) starts its copy out as soon as it exists,
+of the step trace: csrc/step_trace.h, note_offload) may start its copy out as soon as it exists,
 beside compute (a second worker thread on the CPU device, a second side stream on CUDA: one queue
-per direction) while it stays resident. Its release then copies nothing, or waits only for the
+per direction) while it stays resident. The copies wait in the order of the releases the step
+before made, the first expected first, and start while fewer than ``_OUT_QUEUE_BYTES`` are
+queued (a stream runs its copies in order: a copy wanted first must not wait behind the state of
+a whole optimizer). Its release then copies nothing, or waits only for the
 rest of that copy (the plan's early release of it happens once the copy is done); an op that
 writes it in place waits for the copy first (run_op). The copy holds the value's storage, so its
 block is neither freed nor moved (compaction.movable_blocks) before the copy is done; the host
@@ -57,6 +60,9 @@ _LEAD = 3.0  # a planned copy back starts when its value's read is this many cop
 _MAX_LEAD_BOOST = 64.0  # at most this many times further ahead after late uses (feedback)
 _NONE = float("inf")  # StepTrace.next_use_at: no read left in the step
 _BACKLOG_READS = 256  # planned reads the in-trigger looks ahead at (copies queue one after another)
+# Copies out ahead queued at most (bytes not yet copied): a few ms of a PCIe link, so that a copy
+# whose release comes first is never queued behind many that can wait (the queue is in order).
+_OUT_QUEUE_BYTES = 256 << 20
 
 
 def latest_start(reads) -> float:
@@ -356,6 +362,10 @@ class Swapper:
         self.out_flight: Dict[Record, tuple] = {}
         self.release_when_out: set = set()  # planned releases waiting for their copy out ahead
         self.kept: List[torch.Tensor] = []  # views of released storages, dropped after the op
+        # Copies out ahead not started: (expected release position, tie-break, weakref), a heap;
+        # and the bytes of those started and not yet adopted.
+        self.ahead_waiting: List[Tuple[int, int, weakref.ref]] = []
+        self.out_bytes = 0
         self.num_copies_ahead = 0
         self.copied_ahead_bytes = 0
         self.num_offloads = 0
@@ -407,23 +417,34 @@ class Swapper:
         return True
 
     # ------------------------------------------------------------------ out, ahead
-    def copy_ahead(self, r: Record) -> None:
-        """Start the copy out of resident ``r`` beside compute (the step before offloaded its
-        counterpart: the plan's copy out ahead). Nothing when it has a host copy, is not in the
-        arena, or the host pool's cap leaves no room."""
-        if r.host is not None or r in self.out_flight or r.evicted or not r.in_arena or r in self.rt.cache:
-            return
-        s = r.sref
-        if s is None or not s.alive:
-            return
-        with own_work():
-            host = self.host.empty(r.nbytes)
-            if host is None:
-                return
-            src = s.view(torch.uint8, [r.nbytes], [1], 0)
-            self.out_flight[r] = (host, src, self.copier.start(host, src, out=True))
-        self.num_copies_ahead += 1
-        self.copied_ahead_bytes += r.nbytes
+    def copy_ahead(self, r: Record, due: int) -> None:
+        """Copy resident ``r`` out ahead, beside compute (the step before offloaded its counterpart
+        at step position ``due``): queued by ``due``, started by ``_start_ahead``."""
+        heapq.heappush(self.ahead_waiting, (due, next(self._ties), weakref.ref(r)))
+        self._start_ahead()
+
+    def _start_ahead(self) -> None:
+        """Start the waiting copies out ahead, the release expected first first, while fewer than
+        _OUT_QUEUE_BYTES are queued. Nothing for a value with a host copy, not in the arena, or
+        gone; nor when the host pool's cap leaves no room."""
+        waiting = self.ahead_waiting
+        while waiting and self.out_bytes < _OUT_QUEUE_BYTES:
+            r = heapq.heappop(waiting)[2]()
+            if r is None or r.host is not None or r in self.out_flight or r.evicted or not r.in_arena or \
+                    r in self.rt.cache:
+                continue
+            s = r.sref
+            if s is None or not s.alive:
+                continue
+            with own_work():
+                host = self.host.empty(r.nbytes)
+                if host is None:
+                    continue
+                src = s.view(torch.uint8, [r.nbytes], [1], 0)
+                self.out_flight[r] = (host, src, self.copier.start(host, src, out=True))
+            self.out_bytes += r.nbytes
+            self.num_copies_ahead += 1
+            self.copied_ahead_bytes += r.nbytes
 
     def finish_out(self, r: Record) -> torch.Tensor:
         """r's copy out ahead is complete before what follows (the compute stream waits for it on
@@ -431,6 +452,7 @@ class Swapper:
         host copy (its value's: nothing wrote it meanwhile). Returns the view of r's storage the
         copy held (dropping it may free the storage)."""
         host, src, handle = self.out_flight.pop(r)
+        self.out_bytes -= r.nbytes
         self.release_when_out.discard(r)
         self.copier.wait(handle, timed=True)
         self._out_done(r, host)
@@ -449,6 +471,7 @@ class Swapper:
             if not done(handle):
                 break
             del self.out_flight[r]
+            self.out_bytes -= r.nbytes
             self._out_done(r, host)
             if r in self.release_when_out:  # the plan released it early: now it copies nothing
                 self.release_when_out.discard(r)
@@ -529,6 +552,8 @@ class Swapper:
         self.kept.clear()
         if self.out_flight:
             self._adopt_out()
+        if self.ahead_waiting:
+            self._start_ahead()
         if self.in_flight:
             done = self.copier.done
             for r in [r for r, (_, h) in self.in_flight.items() if done(h)]:

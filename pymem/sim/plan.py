@@ -36,19 +36,19 @@ def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
             "value_recomputable": trace.value_recomputable}
 
 
-def copy_ahead(trace: Trace, sim: Simulator) -> Dict[int, int]:
+def copy_ahead(trace: Trace, sim: Simulator) -> Dict[int, Tuple[int, int]]:
     """What the runtime copies out ahead in the step after ``sim``'s (swap.copy_ahead): each value
     it offloaded, from the op that makes it (the step trace gives it its index there), or for a
     value made before the step, from its first read in the step; or from the step's start (the
     previous step made it) when it was offloaded before that read, as the runtime then knows it by
-    the index it was made with."""
+    the index it was made with. With each, where ``sim`` offloaded it (the copies go in that order)."""
     out = {}
     for v, at in sim.offloaded_at.items():
         producer = int(trace.value_producer[v])
         if producer < 0:
             first = sim.readers[v][0] if sim.readers[v] else trace.num_ops
             producer = -1 if at <= first else first
-        out[v] = producer
+        out[v] = (producer, at)
     return out
 
 

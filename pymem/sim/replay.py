@@ -19,7 +19,8 @@ simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, 
   bandwidth)``, pymem.gpus) or as the trace recorded them; a copy out runs on the queue of copies to
   the host and is exposed (it completes before its buffer is reused), unless it was started ahead
   (``copy_ahead``: swap.py's copies out ahead of the values the step before offloaded, started
-  right after the op that made the value and waited for only by its release, or by an op that
+  from the op that made the value, the release expected first first, while fewer than
+  ``_OUT_QUEUE_BYTES`` are queued, and waited for only by its release, or by an op that
   writes it in place; a block being copied out does not move; the plan's early release of such a
   value happens once its copy is done); copies back run on one queue
   beside compute, started ahead of
@@ -50,7 +51,7 @@ from .. import compaction_plan, restore_order
 from ..errors import OutOfBudgetError
 from ..gpus import LAUNCH_SECONDS, gpu_cost_model, gpu_spec
 from ..policies import EvictedNeighbourhood, Planned, get_director, get_policy
-from ..runtime.swap import _BACKLOG_READS, _LEAD, _MAX_LEAD_BOOST, _PREFETCH_DEPTH, latest_start
+from ..runtime.swap import _BACKLOG_READS, _LEAD, _MAX_LEAD_BOOST, _OUT_QUEUE_BYTES, _PREFETCH_DEPTH, latest_start
 from .trace import Trace
 
 NEW, RESIDENT, EVICTED, OFFLOADED, GONE = range(5)
@@ -125,7 +126,7 @@ class Simulator:
                  device: Optional[str] = "h100", search: str = "handler", link_bytes_per_s: Optional[float] = None,
                  prefetch: bool = True, releases: Sequence[Tuple[int, int]] = (), releases_chains: bool = False,
                  lead: Optional[Dict[int, float]] = None, move_bytes_per_s: Optional[float] = None,
-                 copy_ahead: Optional[Dict[int, int]] = None) -> None:
+                 copy_ahead: Optional[Dict[int, object]] = None) -> None:
         if plan not in ("auto", "off"):
             raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
         releases = [(int(k), int(v)) for k, v in releases]
@@ -135,11 +136,13 @@ class Simulator:
         if bad:
             raise ValueError(f"releases must be (op position, value) pairs of the trace (0..{trace.num_ops - 1}, "
                              f"0..{trace.num_values - 1}); got {bad[:3]}")
-        copy_ahead = {int(v): int(k) for v, k in (copy_ahead or {}).items()}
-        bad = [(v, k) for v, k in copy_ahead.items() if not (0 <= v < trace.num_values and -1 <= k < trace.num_ops)]
+        copy_ahead = {int(v): (int(k), int(k)) if np.ndim(k) == 0 else (int(k[0]), int(k[1]))
+                      for v, k in (copy_ahead or {}).items()}
+        bad = [(v, k) for v, (k, _) in copy_ahead.items() if not (0 <= v < trace.num_values and -1 <= k < trace.num_ops)]
         if bad:
             raise ValueError(f"copy_ahead must map values of the trace (0..{trace.num_values - 1}) to the op "
-                             f"after which their copy out starts (-1: the step's start); got {bad[:3]}")
+                             f"after which their copy out may start (-1: the step's start), or to that and "
+                             f"the position of their expected release; got {bad[:3]}")
         if not isinstance(budget, (int, np.integer)) or budget <= 0:
             raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
         self.trace, self.budget = trace, int(budget) // _C.ALIGNMENT * _C.ALIGNMENT  # the arena's unit
@@ -219,11 +222,15 @@ class Simulator:
         self.prefetch_backoff = 0  # bytes a cancelled prefetch's request needed: left free after
         self.copy_hidden = 0.0
         self.prefetches = 0
-        # Copies out ahead (swap.copy_ahead): ahead_after[k], the values whose copy starts after op
-        # k (-1: at the step's start), on the queue to the host, idle from d2h_free.
-        self.ahead_after: Dict[int, List[int]] = {}
-        for v, k in sorted(copy_ahead.items()):
-            self.ahead_after.setdefault(k, []).append(v)
+        # Copies out ahead (swap.copy_ahead): ahead_after[k], the (expected release, value) pairs
+        # whose copy may start after op k (-1: at the step's start); they wait in ahead_waiting
+        # (a heap: the release expected first goes first) while _OUT_QUEUE_BYTES are queued
+        # (out_queued: (done at, bytes)) on the queue to the host, idle from d2h_free.
+        self.ahead_after: Dict[int, List[Tuple[int, int]]] = {}
+        for v, (k, due) in sorted(copy_ahead.items()):
+            self.ahead_after.setdefault(k, []).append((due, v))
+        self.ahead_waiting: List[Tuple[int, int]] = []
+        self.out_queued: List[Tuple[float, int]] = []
         self.d2h_free = 0.0
         self.release_when_copied: List[_Value] = []  # planned releases waiting for their copy out
         self.copies_ahead = 0
@@ -312,12 +319,27 @@ class Simulator:
         self.copy_out_exposed += wait
         self._spend_copy(wait)
 
-    def _copy_ahead(self, v: _Value) -> None:
-        """swap.copy_ahead: start v's copy out now, beside compute, while it stays resident."""
-        if v.state == RESIDENT and not v.host and not v.dead and v.nbytes:
-            v.host, v.host_at = True, max(self.clock, self.d2h_free) + v.swap_cost
-            self.d2h_free = v.host_at
-            self.copies_ahead += 1
+    def _copy_ahead(self, at: int) -> None:
+        """swap.copy_ahead: the values whose copy out may start after op ``at`` wait for the queue."""
+        for item in self.ahead_after.get(at, ()):
+            heapq.heappush(self.ahead_waiting, item)
+        self._start_copies_out()
+
+    def _start_copies_out(self) -> None:
+        """swap._start_ahead: while fewer than _OUT_QUEUE_BYTES are queued to the host, start the
+        copy out of the waiting value whose release is expected first, beside compute, while it
+        stays resident."""
+        queued = self.out_queued
+        while queued and queued[0][0] <= self.clock:
+            heapq.heappop(queued)
+        waiting = self.ahead_waiting
+        while waiting and sum(n for _, n in queued) < _OUT_QUEUE_BYTES:
+            v = self.values[heapq.heappop(waiting)[1]]
+            if v.state == RESIDENT and not v.host and not v.dead and v.nbytes:
+                v.host, v.host_at = True, max(self.clock, self.d2h_free) + v.swap_cost
+                self.d2h_free = v.host_at
+                heapq.heappush(queued, (v.host_at, v.nbytes))
+                self.copies_ahead += 1
 
     def _queue(self, v: _Value, at: Optional[int] = None) -> None:
         """Queue v's copy back by its next read at or after ``at`` (default: the op running; a
@@ -556,6 +578,8 @@ class Simulator:
         self.position = k
         if self.release_when_copied:
             self._release_copied()
+        if self.ahead_waiting:
+            self._start_copies_out()
         if self.prefetch and (self.away_planned or self.away_stack or self.in_flight):  # swap.after_op's condition
             self._prefetch()
         ins = [self.values[i] for i in t.op_inputs(k)]
@@ -601,8 +625,8 @@ class Simulator:
             v.dead = True
             if v.locks == 0:
                 self._drop(v)
-        for d in self.ahead_after.get(k, ()):
-            self._copy_ahead(self.values[d])
+        if k in self.ahead_after:
+            self._copy_ahead(k)
         for d in self.due.get(k, ()):
             self._release_planned(self.values[d], k)
 
@@ -638,8 +662,7 @@ class Simulator:
         try:
             for v in np.flatnonzero(t.value_producer < 0):  # made before the step: resident at its start
                 self._allocate(self.values[int(v)])
-            for v in self.ahead_after.get(-1, ()):
-                self._copy_ahead(self.values[v])
+            self._copy_ahead(-1)
             for k in range(t.num_ops):
                 self._run_op(k)
         except _OOM as e:
