@@ -73,7 +73,8 @@ class Progress:
 def _short(r: dict) -> dict:
     keep = ("status", "overhead", "peak_bytes", "budget_bytes", "fragmentation", "evictions", "offloads",
             "recompute_seconds", "copy_seconds_hidden", "copy_seconds_exposed", "step_seconds", "compactions",
-            "moved_bytes", "compaction_seconds", "prefetches", "planned_releases", "plan_releases")
+            "moved_bytes", "compaction_seconds", "prefetches", "planned_releases", "plan_releases",
+            "copy_out_seconds_exposed", "copies_ahead", "late_uses")
     return {k: r.get(k) for k in keep}
 
 
