@@ -383,6 +383,62 @@ def test_cuda_copy_times_are_read_only_once_complete_and_in_stream_order():
     assert not any(c.pending.values())
 
 
+class _StandInCuda:
+    """torch.cuda's streams and events, logged (the copies themselves run on CPU tensors): each
+    new stream gets the next number (the compute stream is 1)."""
+
+    def __init__(self, monkeypatch):
+        log = self.log = []
+        streams = iter(range(2, 100))
+
+        class Stream:
+            def __init__(self, n):
+                self.cuda_stream = n
+
+            def wait_stream(self, other):
+                log.append(("wait_stream", self.cuda_stream, other.cuda_stream))
+
+            def wait_event(self, ev):
+                log.append(("wait_event", self.cuda_stream, ev.name))
+
+            def synchronize(self):
+                log.append(("stream sync", self.cuda_stream))
+
+        class Event:
+            made = 0
+
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                Event.made += 1
+                self.name, self.at, self.complete = f"e{Event.made}", None, False
+
+            def record(self, stream):
+                self.at = 2.0 * Event.made + len(log)  # later records, later times
+                log.append(("record", self.name, stream.cuda_stream))
+
+            def query(self):
+                log.append(("query", self.name))
+                return self.complete
+
+            def synchronize(self):
+                log.append(("event sync", self.name))
+                self.complete = True
+
+            def elapsed_time(self, end):
+                assert end.complete
+                return end.at - self.at
+
+        class Host:
+            def used_by_copy(self, buf, stream):
+                log.append(("used_by_copy", stream.cuda_stream))
+
+        self.compute, self.host = Stream(1), Host()
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream(next(streams)))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.compute)
+        monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+
+
 def test_cuda_copier_puts_timing_events_around_each_copy(monkeypatch):
     """_CudaCopier on a stand-in torch.cuda (events, streams; the copies themselves run on CPU
     tensors): each copy between a start and an end event on its stream; the out copy waits at its
@@ -390,55 +446,8 @@ def test_cuda_copier_puts_timing_events_around_each_copy(monkeypatch):
     booked once their end event completes, asked with a query only."""
     from pymem.runtime.swap import _CudaCopier
 
-    log = []
-
-    class Stream:
-        def __init__(self, n):
-            self.cuda_stream = n
-
-        def wait_stream(self, other):
-            log.append(("wait_stream", self.cuda_stream, other.cuda_stream))
-
-        def wait_event(self, ev):
-            log.append(("wait_event", self.cuda_stream, ev.name))
-
-        def synchronize(self):
-            log.append(("stream sync", self.cuda_stream))
-
-    class Event:
-        made = 0
-
-        def __init__(self, enable_timing=False):
-            assert enable_timing
-            Event.made += 1
-            self.name, self.at, self.complete = f"e{Event.made}", None, False
-
-        def record(self, stream):
-            self.at = 2.0 * Event.made + len(log)  # later records, later times
-            log.append(("record", self.name, stream.cuda_stream))
-
-        def query(self):
-            log.append(("query", self.name))
-            return self.complete
-
-        def synchronize(self):
-            log.append(("event sync", self.name))
-            self.complete = True
-
-        def elapsed_time(self, end):
-            assert end.complete
-            return end.at - self.at
-
-    compute = Stream(1)
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream(2))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: compute)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
-
-    class Host:
-        def used_by_copy(self, buf, stream):
-            log.append(("used_by_copy", stream.cuda_stream))
-
+    cuda = _StandInCuda(monkeypatch)
+    log, Host = cuda.log, lambda: cuda.host
     c = _CudaCopier(torch.device("cpu"), Host())
     src = torch.arange(64, dtype=torch.uint8)
     host = torch.empty(64, dtype=torch.uint8)
@@ -591,3 +600,32 @@ def test_copies_out_ahead_wait_their_turn_by_expected_release(monkeypatch):
         assert order == [2.0, 5.0, 3.0]
     finally:
         pymem.disable()
+
+
+def test_cuda_copies_out_ahead_run_on_a_stream_of_their_own(monkeypatch):
+    """On a stand-in torch.cuda: a copy out ahead goes on a second side stream (not the prefetches'),
+    after the compute stream's work so far (its source was made there); the host block it writes is
+    marked used by that stream; a wait for it is the compute stream's wait on its end event (no
+    host sync); the copy is booked as a copy out, ahead, once complete (the copy itself is no
+    stall; a wait for it is)."""
+    from pymem.runtime.swap import _CudaCopier
+
+    cuda = _StandInCuda(monkeypatch)
+    c = _CudaCopier(torch.device("cpu"), cuda.host)
+    src = torch.arange(64, dtype=torch.uint8)
+    host = torch.empty(64, dtype=torch.uint8)
+    prefetch = c.start(torch.empty(64, dtype=torch.uint8), host)  # the prefetches' stream: 2
+    out = c.start(host, src, out=True)
+    assert torch.equal(host, src)
+    log = cuda.log
+    i = log.index(("wait_stream", 3, 1))
+    assert log[i:i + 4] == [("wait_stream", 3, 1), ("record", "e3", 3), ("record", "e4", 3), ("used_by_copy", 3)]
+    c.wait(out, timed=True)  # a release before the copy was done
+    assert ("wait_event", 1, out.name) in log and not any(e[0].endswith("sync") for e in log)
+    assert c.time_stats()["copy_ahead_seconds"] == 0  # not complete yet
+    out.complete = prefetch.complete = True
+    t = c.time_stats()
+    assert t["copy_ahead_seconds"] > 0 and t["offload_copy_timed_bytes"] == 64
+    assert t["offload_copy_seconds"] == t["copy_ahead_seconds"]
+    c.close()
+    assert ("stream sync", 2) in log and ("stream sync", 3) in log
