@@ -173,10 +173,14 @@ class Simulator:
             if not v.recipe:
                 v.compute_cost = 2 * v.swap_cost
         self.by_addr: Dict[int, _Value] = {}
-        # readers[v]: ops that read v, ascending; children[v]: values made by those ops
+        # Each op's inputs and outputs as lists of ints: the policies' scores walk them (a slice
+        # of the trace's arrays per visit cost a fifth of a replay).
+        self.op_ins: List[List[int]] = [trace.op_inputs(k).tolist() for k in range(n)]
+        self.op_outs: List[List[int]] = [trace.op_outputs(k).tolist() for k in range(n)]
+        # readers[v]: ops that read v, ascending
         readers: List[List[int]] = [[] for _ in range(m)]
         for k in range(n):
-            for v in trace.op_inputs(k):
+            for v in self.op_ins[k]:
                 if not readers[v] or readers[v][-1] != k:
                     readers[v].append(k)
         self.readers = readers
@@ -240,7 +244,7 @@ class Simulator:
     # --- the graph ---
     def parents(self, v: int):
         p = int(self.trace.value_producer[v])
-        return self.trace.op_inputs(p) if p >= 0 else ()
+        return self.op_ins[p] if p >= 0 else ()
 
     def neighbours(self, v: int) -> List[int]:
         """v's neighbours in the op graph (its recipe's inputs, the values made from it): fixed, so
@@ -249,7 +253,7 @@ class Simulator:
         if out is None:
             out = [int(i) for i in self.parents(v)] if self.values[v].recipe else []
             for k in self.readers[v]:
-                out.extend(self.trace.op_outputs(k).tolist())
+                out.extend(self.op_outs[k])
             self._neighbours[v] = out
         return out
 
@@ -261,10 +265,10 @@ class Simulator:
         d = self.before[r[i]] - self.before[self.position] if i < len(r) else math.inf
         if depth:
             for k in self.readers[v][:i]:  # ops already run: their outputs may be evicted now
-                for c in self.trace.op_outputs(k):
+                for c in self.op_outs[k]:
                     cv = self.values[c]
                     if cv.state == EVICTED and not cv.dead and cv.recipe:
-                        d = min(d, self.seconds_to_next_use(int(c), depth - 1))
+                        d = min(d, self.seconds_to_next_use(c, depth - 1))
         return d
 
     # --- memory ---
@@ -547,7 +551,7 @@ class Simulator:
             v.last_access = self.clock
             return
         p = int(self.trace.value_producer[v.index])
-        inputs = [self.values[i] for i in self.trace.op_inputs(p)]
+        inputs = [self.values[i] for i in self.op_ins[p]]
         for a in inputs:
             a.locks += 1
         try:
@@ -582,7 +586,7 @@ class Simulator:
             self._start_copies_out()
         if self.prefetch and (self.away_planned or self.away_stack or self.in_flight):  # swap.after_op's condition
             self._prefetch()
-        ins = [self.values[i] for i in t.op_inputs(k)]
+        ins = [self.values[i] for i in self.op_ins[k]]
         for i in ins:  # locked first, then the missing ones restored (runtime.run_op)
             i.locks += 1
         try:
@@ -590,7 +594,7 @@ class Simulator:
             for i in ins:
                 if i.ready_at:
                     self._arrive(i)
-            for o in t.op_outputs(k):
+            for o in self.op_outs[k]:
                 v = self.values[o]
                 w = int(t.value_overwrites[o])
                 if w >= 0 and self.values[w].state == RESIDENT:  # in place: v takes over w's bytes
@@ -615,7 +619,7 @@ class Simulator:
         self.clock += cost
         for i in ins:
             i.last_access = self.clock
-        for o in t.op_outputs(k):
+        for o in self.op_outs[k]:
             v = self.values[o]
             v.last_access = self.clock
             if v.recipe:
@@ -636,7 +640,7 @@ class Simulator:
         if not (v.recipe and not v.dead and v.waits == 0 and self._releasable(v)):
             return
         if not self.releases_chains and any(self.values[c].state == EVICTED and not self.values[c].dead
-                                            for k in self.readers[v.index] for c in self.trace.op_outputs(k)):
+                                            for k in self.readers[v.index] for c in self.op_outs[k]):
             return
         if v.host_at > self.clock:  # its copy out ahead runs: released once it is done, not waited for
             self.release_when_copied.append(v)
