@@ -590,3 +590,27 @@ def test_copies_out_ahead_start_by_expected_release_while_few_bytes_are_queued()
     sim = Simulator(t, 1 << 40, device=None, link_bytes_per_s=big, copy_ahead={0: (-1, 20), 1: (-1, 9)})
     sim.run()
     assert sim.values[1].host_at == 1.0 and sim.values[0].host_at == 2.0
+
+
+def test_backlog_window_keeps_latest_start_as_heads_are_taken():
+    """swap.BacklogWindow: after each head taken, what latest_start of the reads left gives; a copy
+    queued inside the window has it built again, one queued after it (more queued) does not."""
+    from pymem.runtime.swap import BacklogWindow
+
+    reads = [(10.0, 1.0), (10.5, 1.0), (11.0, 1.0), (20.0, 4.0), (21.0, 0.5)]
+    keys = [(k, k) for k in range(len(reads))]
+    w = BacklogWindow()
+    w.build(keys, reads, keys[-1], more=False)  # the whole queue (with more, half used up rebuilds)
+    for j in range(len(reads)):
+        assert w.valid and w.latest() == pytest.approx(latest_start(reads[j:]))
+        w.took(keys[j])
+    w.build(keys, reads, keys[-1], more=True)
+    w.took((-1, -1))  # an entry the window left out (no read to place): nothing changes
+    assert w.valid and w.latest() == latest_start(reads)
+    w.queued((99, 0))  # after the window's last entry
+    assert w.valid
+    w.queued((2, 7))  # inside it
+    assert not w.valid
+    w.build(keys, reads, keys[-1], more=False)
+    w.queued((99, 0))  # the window held the whole queue: a recompute would see this one
+    assert not w.valid

@@ -59,7 +59,10 @@ _MIN_CHUNK, _MAX_CHUNK = 2 << 20, 256 << 20  # the host pool's chunk, bounds
 _LEAD = 3.0  # a planned copy back starts when its value's read is this many copy times away
 _MAX_LEAD_BOOST = 64.0  # at most this many times further ahead after late uses (feedback)
 _NONE = float("inf")  # StepTrace.next_use_at: no read left in the step
-_BACKLOG_READS = 256  # planned reads the in-trigger looks ahead at (copies queue one after another)
+# Planned reads the in-trigger looks ahead at (copies queue one after another): an optimizer's
+# step reads thousands of offloaded states in a burst (AdamW on GPT-2 XL: 1160; in the simulator
+# 256 left 0.064 s of its copies back exposed at 0.3 of the peak, 2048 0.037 s).
+_BACKLOG_READS = 2048
 # Copies out ahead queued at most (bytes not yet copied): a few ms of a PCIe link, so that a copy
 # whose release comes first is never queued behind many that can wait (the queue is in order).
 _OUT_QUEUE_BYTES = 256 << 20
@@ -75,6 +78,53 @@ def latest_start(reads) -> float:
         queued += seconds
         latest = min(latest, at - queued)
     return latest
+
+
+class BacklogWindow:
+    """``latest_start`` of the first _BACKLOG_READS planned copies back, kept as the queue's head is
+    taken (its copy starts, or its value needs none): the least over the reads left of (read time
+    less the copies up to its own), which taking the head shifts by the head's copy, so suffix
+    minima of those terms and an offset give it in O(1). Built again (``valid`` False) when a copy
+    is queued inside the window, or half the window is used up; one queued after the window's last
+    entry, while the queue holds more than the window, changes nothing. Keys order the queue."""
+
+    def __init__(self) -> None:
+        self.valid = False
+
+    def build(self, keys: list, reads: list, last_key, more: bool) -> None:
+        """``keys``, ``reads`` ((read time, copy seconds)): the window's entries, in queue order;
+        ``last_key``: the last queue entry looked at (with or without a read); ``more``: the queue
+        holds entries after it."""
+        terms, queued = [], 0.0
+        for at, seconds in reads:
+            queued += seconds
+            terms.append(at - queued)
+        suffix = [math.inf] * (len(terms) + 1)
+        for i in range(len(terms) - 1, -1, -1):
+            suffix[i] = min(terms[i], suffix[i + 1])
+        self.keys, self.seconds, self.suffix = keys, [c for _, c in reads], suffix
+        self.taken, self.offset, self.last_key, self.more, self.valid = 0, 0.0, last_key, more, True
+
+    def latest(self) -> float:
+        return self.suffix[self.taken] + self.offset
+
+    def took(self, key) -> None:
+        """The queue's head (``key``) was taken."""
+        if not self.valid:
+            return
+        j = self.taken
+        if j < len(self.keys) and self.keys[j] == key:
+            self.offset += self.seconds[j]
+            self.taken = j + 1
+            if self.more and 2 * (len(self.keys) - self.taken) < _BACKLOG_READS:
+                self.valid = False
+        elif not (j < len(self.keys) and key < self.keys[j]):  # else one the window left out
+            self.valid = False
+
+    def queued(self, key) -> None:
+        """A copy was queued at ``key``."""
+        if self.valid and not (self.more and self.last_key is not None and key > self.last_key):
+            self.valid = False
 
 
 class HostMemory:
@@ -353,7 +403,7 @@ class Swapper:
         # the others, oldest first (weak: one nobody needs any more is not brought back).
         self.planned: List[Tuple[int, int, weakref.ref]] = []
         self._ties = itertools.count()
-        self._latest: Optional[float] = None  # latest_start of the planned queue; None: to compute
+        self.window = BacklogWindow()  # latest_start of the planned queue
         self.offloaded: List[weakref.ref] = []
         self._prune_at = 4096
         self.in_flight: Dict[Record, tuple] = {}  # record -> (device buffer, copy handle)
@@ -482,8 +532,9 @@ class Swapper:
         plan = self.rt.residency.plan
         at = plan.next_use_at(r) if plan is not None else None
         if at is not None and at != _NONE:
-            heapq.heappush(self.planned, (at, next(self._ties), weakref.ref(r)))
-            self._latest = None
+            tie = next(self._ties)
+            heapq.heappush(self.planned, (at, tie, weakref.ref(r)))
+            self.window.queued((at, tie))
             return
         self.offloaded.append(weakref.ref(r))
         if len(self.offloaded) > self._prune_at:
@@ -493,7 +544,7 @@ class Swapper:
         """The plan's positions were this step's: what is still queued by them waits, newest last,
         with the values the plan could not place. Prefetches may use all free room again."""
         self.backoff = 0
-        self._latest = None
+        self.window.valid = False
         if self.planned:
             self.offloaded.extend(w for _, _, w in sorted(self.planned))
             self.planned.clear()
@@ -568,8 +619,11 @@ class Swapper:
         while (planned or stack) and len(self.in_flight) < _PREFETCH_DEPTH:
             r = planned[0][2]() if planned else stack[-1]()
             if r is None or not self._worth_prefetching(r):
-                heapq.heappop(planned) if planned else stack.pop()
-                self._latest = None
+                if planned:
+                    at, tie, _ = heapq.heappop(planned)
+                    self.window.took((at, tie))
+                else:
+                    stack.pop()
                 continue
             if planned and plan is not None:
                 # In-trigger: not before its read is a few copies away (a value the plan released
@@ -583,8 +637,8 @@ class Swapper:
             if arena.largest_free_block < r.nbytes + self.headroom + self.backoff:
                 return
             if planned:
-                heapq.heappop(planned)
-                self._latest = None
+                at, tie, _ = heapq.heappop(planned)
+                self.window.took((at, tie))
             else:
                 stack.pop()
             # Fits: no pressure, nothing released for it. Placed with the cheap blocks: a host copy
@@ -604,17 +658,20 @@ class Swapper:
         now = plan.planned_seconds_before()
         if now is None:
             return False
-        if self._latest is None:  # fixed until the queue changes: the reads are plan positions
-            reads = []
-            for at, _, w in heapq.nsmallest(_BACKLOG_READS, self.planned):
+        window = self.window
+        if not window.valid:  # the reads are plan positions: fixed while the step follows its plan
+            keys, reads = [], []
+            head = heapq.nsmallest(_BACKLOG_READS, self.planned)
+            for at, tie, w in head:
                 q = w()
                 t = plan.planned_seconds_before(at) if q is not None and self._worth_prefetching(q) else None
                 if t is not None:
+                    keys.append((at, tie))
                     reads.append((t, q.swap_cost))
-            self._latest = latest_start(reads)
+            window.build(keys, reads, head[-1][:2] if head else None, len(self.planned) > len(head))
         done = self.copier.done
         busy = sum(q.swap_cost for q, (_, h) in self.in_flight.items() if not done(h))
-        return self._latest - now - busy <= margin
+        return window.latest() - now - busy <= margin
 
     def _worth_prefetching(self, r: Record) -> bool:
         """Offloaded, not back yet, and a tensor still holds its storage (so some later op may read

@@ -51,7 +51,7 @@ from .. import compaction_plan, restore_order
 from ..errors import OutOfBudgetError
 from ..gpus import LAUNCH_SECONDS, gpu_cost_model, gpu_spec
 from ..policies import EvictedNeighbourhood, Planned, get_director, get_policy
-from ..runtime.swap import _BACKLOG_READS, _LEAD, _MAX_LEAD_BOOST, _OUT_QUEUE_BYTES, _PREFETCH_DEPTH, latest_start
+from ..runtime.swap import _BACKLOG_READS, _LEAD, _MAX_LEAD_BOOST, _OUT_QUEUE_BYTES, _PREFETCH_DEPTH, BacklogWindow
 from .trace import Trace
 
 NEW, RESIDENT, EVICTED, OFFLOADED, GONE = range(5)
@@ -216,7 +216,7 @@ class Simulator:
         self.away_planned: List[tuple] = []
         self.away_stack: List[int] = []
         self.in_flight: Dict[int, float] = {}
-        self._latest: Optional[float] = None  # swap.latest_start of away_planned; None: to compute
+        self.window = BacklogWindow()  # swap.latest_start of away_planned, as the runtime keeps it
         self.h2d_free = 0.0   # when the copy-back queue is next idle
         # swap.py's feedback: a value whose use waited for its copy back starts it twice as far
         # ahead in the steps after (kept across the steps pymem/sim/plan.py replays).
@@ -352,7 +352,7 @@ class Simulator:
         i = bisect.bisect_left(r, self.position if at is None else at)
         if self.planned and i < len(r):
             heapq.heappush(self.away_planned, (r[i], v.index))
-            self._latest = None
+            self.window.queued((r[i], v.index))
         else:
             self.away_stack.append(v.index)
 
@@ -371,8 +371,7 @@ class Simulator:
         while (planned or stack) and len(self.in_flight) < _PREFETCH_DEPTH:
             v = self.values[planned[0][1] if planned else stack[-1]]
             if not self._worth_prefetching(v):
-                heapq.heappop(planned) if planned else stack.pop()
-                self._latest = None
+                self.window.took(heapq.heappop(planned)) if planned else stack.pop()
                 continue
             if planned:
                 margin = _LEAD * self.lead.get(v.index, 1.0) * v.swap_cost
@@ -381,8 +380,7 @@ class Simulator:
                     return
             if self.arena.largest_free_block < v.nbytes + self.headroom + self.prefetch_backoff:
                 return
-            heapq.heappop(planned) if planned else stack.pop()
-            self._latest = None
+            self.window.took(heapq.heappop(planned)) if planned else stack.pop()
             self._allocate(v)  # fits: no pressure
             start = max(self.clock, self.h2d_free)
             v.ready_at = self.h2d_free = start + v.swap_cost
@@ -391,12 +389,14 @@ class Simulator:
 
     def _behind(self, margin: float) -> bool:
         """swap._behind: the planned copies back queued are so many that the next must start now."""
-        if self._latest is None:
-            self._latest = latest_start((self.before[at], self.values[i].swap_cost)
-                                        for at, i in heapq.nsmallest(_BACKLOG_READS, self.away_planned)
-                                        if self._worth_prefetching(self.values[i]))
+        window = self.window
+        if not window.valid:
+            head = heapq.nsmallest(_BACKLOG_READS, self.away_planned)
+            entries = [(at, i) for at, i in head if self._worth_prefetching(self.values[i])]
+            window.build(entries, [(self.before[at], self.values[i].swap_cost) for at, i in entries],
+                         head[-1] if head else None, len(self.away_planned) > len(head))
         busy = sum(self.values[i].swap_cost for i, t in self.in_flight.items() if t > self.clock)
-        return self._latest - self.before[self.position] - busy <= margin
+        return window.latest() - self.before[self.position] - busy <= margin
 
     def _arrive(self, v: _Value) -> None:
         """v was copied back ahead of use and is read now: wait for what is left of its copy."""
