@@ -72,7 +72,8 @@ def latest_start(reads) -> float:
     """The plan's clock by which the next copy back must start for every read of ``reads``
     ((planned seconds before the read, seconds of its copy), in read order, copied one after
     another on one queue) to find its value back: the least of each read's time less the copies
-    up to and including its own."""
+    up to and including its own. Its definition, in one pass: ``BacklogWindow`` keeps it as the
+    queue's head is taken (the tests hold the two together)."""
     queued, latest = 0.0, math.inf
     for at, seconds in reads:
         queued += seconds
@@ -476,7 +477,8 @@ class Swapper:
     def _start_ahead(self) -> None:
         """Start the waiting copies out ahead, the release expected first first, while fewer than
         _OUT_QUEUE_BYTES are queued. Nothing for a value with a host copy, not in the arena, or
-        gone; nor when the host pool's cap leaves no room."""
+        gone; nor when the host pool's cap leaves no room. Copies wait only while out_flight holds
+        the cap's bytes, so after_op (which runs while out_flight is not empty) starts them."""
         waiting = self.ahead_waiting
         while waiting and self.out_bytes < _OUT_QUEUE_BYTES:
             r = heapq.heappop(waiting)[2]()

@@ -235,6 +235,7 @@ class Simulator:
             self.ahead_after.setdefault(k, []).append((due, v))
         self.ahead_waiting: List[Tuple[int, int]] = []
         self.out_queued: List[Tuple[float, int]] = []
+        self.out_queued_bytes = 0
         self.d2h_free = 0.0
         self.release_when_copied: List[_Value] = []  # planned releases waiting for their copy out
         self.copies_ahead = 0
@@ -317,11 +318,15 @@ class Simulator:
         """v's host copy is complete before its buffer is reused: the rest of a copy started ahead,
         else a copy now, behind those queued to the host (one link each way)."""
         if not v.host:
-            v.host, v.host_at = True, max(self.clock, self.d2h_free) + v.swap_cost
-            self.d2h_free = v.host_at
+            self._queue_out(v)
         wait = max(0.0, v.host_at - self.clock)
         self.copy_out_exposed += wait
         self._spend_copy(wait)
+
+    def _queue_out(self, v: _Value) -> None:
+        """v's copy to the host, behind those queued: its host copy is complete at host_at."""
+        v.host, v.host_at = True, max(self.clock, self.d2h_free) + v.swap_cost
+        self.d2h_free = v.host_at
 
     def _copy_ahead(self, at: int) -> None:
         """swap.copy_ahead: the values whose copy out may start after op ``at`` wait for the queue."""
@@ -335,14 +340,14 @@ class Simulator:
         stays resident."""
         queued = self.out_queued
         while queued and queued[0][0] <= self.clock:
-            heapq.heappop(queued)
+            self.out_queued_bytes -= heapq.heappop(queued)[1]
         waiting = self.ahead_waiting
-        while waiting and sum(n for _, n in queued) < _OUT_QUEUE_BYTES:
+        while waiting and self.out_queued_bytes < _OUT_QUEUE_BYTES:
             v = self.values[heapq.heappop(waiting)[1]]
             if v.state == RESIDENT and not v.host and not v.dead and v.nbytes:
-                v.host, v.host_at = True, max(self.clock, self.d2h_free) + v.swap_cost
-                self.d2h_free = v.host_at
+                self._queue_out(v)
                 heapq.heappush(queued, (v.host_at, v.nbytes))
+                self.out_queued_bytes += v.nbytes
                 self.copies_ahead += 1
 
     def _queue(self, v: _Value, at: Optional[int] = None) -> None:
