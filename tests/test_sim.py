@@ -140,6 +140,34 @@ def test_a_compaction_is_priced_as_a_copy_on_the_device():
     assert out["overhead"] == pytest.approx((4 * LAUNCH_SECONDS + out["compaction_seconds"]) / (4 * LAUNCH_SECONDS))
 
 
+def _inputs_apart(in_place=False):
+    """A and B (leaves) with a dead spacer between them, then an op that reads both and makes 2 MiB:
+    in 5 MiB, [A | free 1 | B | free 1.9] holds it only once an input moves, which no compaction may
+    do while the kernel runs. ``in_place``: the op also overwrites A."""
+    ops = [("mk", 1.0, [], [0]), ("mk", 1.0, [], [1]), ("mk", 1.0, [], [2]),
+           ("big", 1.0, [0, 2], [3, 4] if in_place else [3])]
+    values = [(MiB, 0, 0, -1), (MiB, 1, 0, 2), (MiB, 2, 0, -1), (2 * MiB, 3, 0, -1)]
+    if in_place:
+        values.append((MiB, 3, 0, -1))
+    t = _trace(ops, values)
+    if in_place:
+        t.value_overwrites[4] = 0
+        t.value_free_at[0] = 3
+    return t
+
+
+def test_a_refused_kernel_runs_again_once_its_inputs_slid_together():
+    # runtime.run_again: the refused functional kernel left no trace; every block that may move,
+    # its inputs included, slides up, and it runs once more.
+    out = simulate(_inputs_apart(), 5 * MiB, device="h100")
+    assert out["status"] == "ok" and out["retries"] == 1, out
+    assert out["evictions"] == out["offloads"] == 0 and out["moved_bytes"] == 2 * MiB
+    assert out["peak_bytes"] <= out["budget_bytes"]
+    # An op that writes in place may have written before it ran out: never run again.
+    out = simulate(_inputs_apart(in_place=True), 5 * MiB, device="h100")
+    assert out["status"] == "oom" and out["retries"] == 0 and "out of budget" in out["error"]
+
+
 def _forward_backward_chain(k=8, grad=64 * 1024):
     """x -> a1 .. ak (1 MiB each, a forward pass), then a backward pass that reads ak .. a1 in
     turn, each with the gradient before it, and frees it."""

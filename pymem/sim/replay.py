@@ -10,7 +10,10 @@ simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, 
 - an op locks its inputs and brings back those that are away (an evicted one by replaying its
   missing ancestry forward, as remat.py does; an offloaded one by a copy), allocates its fresh outputs (an
   in-place op's output takes over the bytes of the value it rewrote), runs, and advances the
-  clock by its cost; then the values that die after it are freed;
+  clock by its cost; then the values that die after it are freed; while a kernel (an op or a
+  recompute) runs, the blocks it reads or fills stay put, and nothing else is held in place (a
+  locked value may move); a functional kernel refused its outputs runs once more after every
+  block that may move, its inputs included, slides together (runtime.run_again);
 - under pressure the handler releases the lowest-scoring value one at a time while the bytes
   released for the request fall short of it, and compacts once they do not (Coop's window search
   for ``coop``); a released value is offloaded when the director says so (leaves are only ever
@@ -67,7 +70,7 @@ class _Value:
     """One value of the trace, as a policy sees it (pymem.policies.TensorView)."""
 
     __slots__ = ("sim", "index", "nbytes", "compute_cost", "last_access", "recipe", "state", "addr", "locks",
-                 "host", "host_at", "dead", "ready_at", "waits", "need_rank")
+                 "busy", "host", "host_at", "dead", "ready_at", "waits", "need_rank")
 
     def __init__(self, sim: "Simulator", index: int, nbytes: int, recipe: bool) -> None:
         self.sim, self.index, self.nbytes, self.recipe = sim, index, nbytes, recipe
@@ -75,7 +78,8 @@ class _Value:
         self.last_access = 0.0
         self.state = NEW
         self.addr = 0
-        self.locks = 0
+        self.locks = 0      # > 0: an op or recompute needs it: not released (it may move)
+        self.busy = 0       # > 0: a kernel now running reads or fills it (runtime: rt.running): stays put
         self.host = False   # a host copy exists, or is being made (then complete at host_at)
         self.host_at = 0.0
         self.dead = False   # the program freed it: it lives on only for recomputes that read it
@@ -223,6 +227,7 @@ class Simulator:
         self.lead: Dict[int, float] = {} if lead is None else lead
         self.late_uses = 0
         self.prefetches_cancelled = 0
+        self.retries = 0  # kernels run again after a refused allocation (runtime: num_retries)
         self.prefetch_backoff = 0  # bytes a cancelled prefetch's request needed: left free after
         self.copy_hidden = 0.0
         self.prefetches = 0
@@ -432,7 +437,7 @@ class Simulator:
         self.clock += seconds
 
     def _releasable(self, v: _Value) -> bool:
-        return v.state == RESIDENT and v.locks == 0 and v.nbytes > 0 and (v.recipe or self.offload_leaves) and \
+        return v.state == RESIDENT and v.locks == 0 and v.busy == 0 and v.nbytes > 0 and (v.recipe or self.offload_leaves) and \
             v.ready_at <= self.clock  # a copy in flight is not given up
 
     # --- the pressure handler (pressure.py's protocol) ---
@@ -500,7 +505,7 @@ class Simulator:
 
     def _compact(self, request: int) -> bool:
         movable = {a: (v, None, self._releasable(v)) for a, v in self.by_addr.items()
-                   if v.locks == 0 and v.host_at <= self.clock}  # a block being copied out stays
+                   if v.busy == 0 and v.host_at <= self.clock}  # a block being copied out stays
         evaluate, cost, now = self.policy.evaluate, self.policy.block_cost, self.clock
         chosen = compaction_plan.plan(self.arena.blocks(), request, movable,
                                       lambda v: (v.waits > 0, v.need_rank, evaluate(v, now)),
@@ -560,7 +565,7 @@ class Simulator:
         for a in inputs:
             a.locks += 1
         try:
-            self._allocate(v)
+            self._kernel_outputs(inputs, [v], retry=self.trace.value_overwrites[v.index] < 0)
         finally:
             for a in inputs:
                 a.locks -= 1
@@ -570,6 +575,57 @@ class Simulator:
         self.recompute_seconds += cost
         self.recomputes += 1
         v.last_access = self.clock
+
+    def _kernel_outputs(self, ins: List[_Value], outs: List[_Value], retry: bool) -> None:
+        """Allocate the fresh outputs of a kernel that reads ``ins``: none of them moves meanwhile
+        (runtime: ``rt.running``; a block a kernel still fills is not the runtime's yet). A refused
+        functional kernel exits leaving no trace, and the runtime runs it once more after sliding
+        every block that may move, its inputs included (``run_again``, compaction.py's
+        ``defragment_after_failure``): so does this."""
+        for i in ins:
+            i.busy += 1
+        made: List[_Value] = []
+        try:
+            try:
+                for v in outs:
+                    self._allocate(v)
+                    v.busy += 1
+                    made.append(v)
+            except _OOM:
+                if not retry:
+                    raise
+                for v in made:  # the partial outputs died with the refused kernel
+                    v.busy -= 1
+                    self._free(v)
+                    v.state = NEW
+                made.clear()
+                for i in ins:
+                    i.busy -= 1
+                moved = self._defragment()
+                for i in ins:
+                    i.busy += 1
+                if not moved:
+                    raise
+                self.retries += 1
+                for v in outs:
+                    self._allocate(v)
+                    v.busy += 1
+                    made.append(v)
+        finally:
+            for i in ins:
+                i.busy -= 1
+            for v in made:
+                v.busy -= 1
+
+    def _defragment(self) -> bool:
+        """compaction.defragment_after_failure: every block that may move slides up against the
+        next one that may not. True when something moved."""
+        main_hi = self.arena.base + self.budget - self.arena.small_region_size  # the small region never compacts
+        movable = sorted(a for a, v in self.by_addr.items() if a < main_hi and v.busy == 0 and v.host_at <= self.clock)
+        moved = self.arena.compact(movable)
+        for old, new in moved:
+            self._moved(old, new)
+        return bool(moved)
 
     def _drop(self, v: _Value) -> None:
         """The program freed v: its bytes go; a recipe keeps it reachable for recomputes (as an
@@ -599,6 +655,7 @@ class Simulator:
             for i in ins:
                 if i.ready_at:
                     self._arrive(i)
+            fresh, taken = [], []
             for o in self.op_outs[k]:
                 v = self.values[o]
                 w = int(t.value_overwrites[o])
@@ -611,12 +668,15 @@ class Simulator:
                         self.by_addr[v.addr] = v
                         self.arena.set_owner(v.addr, v.index + 1, 0.0)
                     v.state = RESIDENT
+                    taken.append(v)  # the kernel writes these bytes: they stay put as its inputs do
                     old.dead = True
                     old.state = EVICTED if old.recipe else GONE
                     if old.recipe:
                         self.neighbourhood.on_evict(old.index, old.compute_cost, self.neighbours(old.index))
                 else:
-                    self._allocate(v)
+                    fresh.append(v)
+            if fresh:  # an op that writes in place may have written before it ran out: no retry
+                self._kernel_outputs(ins + taken, fresh, retry=bool((t.value_overwrites[self.op_outs[k]] < 0).all()))
         finally:
             for i in ins:
                 i.locks -= 1
@@ -693,6 +753,7 @@ class Simulator:
                "step_seconds": base, "recomputes": self.recomputes, "copies_back": self.copies_back,
                "compactions": int(st["num_compactions"]), "moved_bytes": int(st["moved_bytes"]),
                "compaction_seconds": self.move_seconds, "planned_releases": self.planned_releases,
+               "retries": self.retries,
                "ops_run": self.position + (status != "oom"), "num_ops": t.num_ops}
         if error is not None:
             out["error"] = error
