@@ -642,3 +642,28 @@ def test_backlog_window_keeps_latest_start_as_heads_are_taken():
     w.build(keys, reads, keys[-1], more=False)
     w.queued((99, 0))  # the window held the whole queue: a recompute would see this one
     assert not w.valid
+
+
+def test_a_copy_out_waited_for_shares_the_link_with_the_copies_ahead_not_behind_them():
+    # The runtime makes a release's copy on the compute stream and copies ahead on a stream of
+    # their own: the two share the link (half its rate each while both run), neither waits.
+    big = 300 * MiB  # 1 s at the link's rate
+    t = _trace([("a", 1.0, [0, 1, 2], [3])],
+               [(big, -1, 0, -1), (big // 4, -1, 0, -1), (big // 4, -1, 0, -1), (1024, 0, 1, -1)])
+    sim = Simulator(t, 1 << 40, device=None, link_bytes_per_s=big, copy_ahead={0: (-1, 0)})
+    for v in sim.values[:3]:
+        sim._allocate(v)
+    sim._copy_ahead(-1)
+    ahead, first, second = sim.values[:3]
+    assert ahead.host_at == 1.0 and sim.copies_ahead == 1
+    sim._copy_out_now(first)  # 0.25 s alone, 1 s queued ahead: both at half rate until it is done
+    assert first.host_at == pytest.approx(0.5) and ahead.host_at == pytest.approx(1.25)
+    sim.clock = 1.1  # 0.15 s left ahead: shared until then, then the link is its own
+    sim._copy_out_now(second)
+    assert second.host_at == pytest.approx(1.1 + 0.15 + 0.25) and ahead.host_at == pytest.approx(1.1 + 2 * 0.15)
+    assert sim.d2h_free == pytest.approx(ahead.host_at)
+    sim.clock = 2.0  # nothing queued: the link's rate
+    third = sim.values[3]
+    sim._allocate(third)
+    sim._copy_out_now(third)
+    assert third.host_at == pytest.approx(2.0 + 1024 / big) and ahead.host_at == pytest.approx(1.4)

@@ -19,8 +19,9 @@ simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, 
   for ``coop``); a released value is offloaded when the director says so (leaves are only ever
   offloaded, and only when offloading is on), evicted otherwise;
 - costs: an op's seconds from the GPU cost model (``launch + max(flops / rate, bytes /
-  bandwidth)``, pymem.gpus) or as the trace recorded them; a copy out runs on the queue of copies to
-  the host and is exposed (it completes before its buffer is reused), unless it was started ahead
+  bandwidth)``, pymem.gpus) or as the trace recorded them; a copy out is exposed (it completes
+  before its buffer is reused; made on the compute stream, it shares the link with the copies out
+  ahead, each at half its rate while both run), unless it was started ahead
   (``copy_ahead``: swap.py's copies out ahead of the values the step before offloaded, started
   from the op that made the value, the release expected first first, while fewer than
   ``_OUT_QUEUE_BYTES`` are queued, and waited for only by its release, or by an op that
@@ -241,6 +242,7 @@ class Simulator:
         self.ahead_waiting: List[Tuple[int, int]] = []
         self.out_queued: List[Tuple[float, int]] = []
         self.out_queued_bytes = 0
+        self.out_pending: List[_Value] = []  # values whose copy out ahead may not be done yet
         self.d2h_free = 0.0
         self.release_when_copied: List[_Value] = []  # planned releases waiting for their copy out
         self.copies_ahead = 0
@@ -321,9 +323,9 @@ class Simulator:
 
     def _copied_out(self, v: _Value) -> None:
         """v's host copy is complete before its buffer is reused: the rest of a copy started ahead,
-        else a copy now, behind those queued to the host (one link each way)."""
+        else a copy now (``_copy_out_now``)."""
         if not v.host:
-            self._queue_out(v)
+            self._copy_out_now(v)
         wait = max(0.0, v.host_at - self.clock)
         self.copy_out_exposed += wait
         self._spend_copy(wait)
@@ -332,6 +334,26 @@ class Simulator:
         """v's copy to the host, behind those queued: its host copy is complete at host_at."""
         v.host, v.host_at = True, max(self.clock, self.d2h_free) + v.swap_cost
         self.d2h_free = v.host_at
+
+    def _copy_out_now(self, v: _Value) -> None:
+        """A copy out that the release waits for runs on the compute stream (swap.py), beside the
+        copies out ahead on their own stream, not behind them: while both run, each moves at half
+        the link's rate. With q seconds of copies ahead queued and b of its own: it is done after
+        2b when q >= b (the queue lost b), else after q + b (the queue took 2q)."""
+        b = v.swap_cost
+        q = max(0.0, self.d2h_free - self.clock)
+        done, delay = (2 * b, b) if q >= b else (q + b, q)
+        v.host, v.host_at = True, self.clock + done
+        if delay > 0.0:  # every copy ahead not done yet ends later by what it lost
+            now = self.clock
+            self.d2h_free += delay
+            self.out_queued = [(t + delay if t > now else t, n) for t, n in self.out_queued]
+            pending = []
+            for u in self.out_pending:
+                if u.host and u.host_at > now:
+                    u.host_at += delay
+                    pending.append(u)
+            self.out_pending = pending
 
     def _copy_ahead(self, at: int) -> None:
         """swap.copy_ahead: the values whose copy out may start after op ``at`` wait for the queue."""
@@ -351,6 +373,7 @@ class Simulator:
             v = self.values[heapq.heappop(waiting)[1]]
             if v.state == RESIDENT and not v.host and not v.dead and v.nbytes:
                 self._queue_out(v)
+                self.out_pending.append(v)
                 heapq.heappush(queued, (v.host_at, v.nbytes))
                 self.out_queued_bytes += v.nbytes
                 self.copies_ahead += 1
