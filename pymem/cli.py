@@ -245,6 +245,7 @@ def cmd_sim(args) -> int:
     import json
 
     from .budget import parse_budget
+    from .sim.bound import lower_bound
     from .sim.replay import simulate
     from .sim.simrd import load_simrd
     from .sim.trace import Trace, TraceError
@@ -262,6 +263,7 @@ def cmd_sim(args) -> int:
             budget = int(peak * args.budget_ratio)
         device = None if args.device == "recorded" else args.device
         out = simulate(trace, budget, policy=args.policy, offload=args.offload, plan=args.plan, device=device)
+        out["lower_bound"] = lower_bound(trace, budget, device)  # what no policy could beat here
     except (ValueError, OSError, TraceError) as e:
         print(f"pymem sim: {e}", file=sys.stderr)
         return 2

@@ -527,6 +527,7 @@ def test_sim_cli_replays_a_simrd_log(tmp_path, capsys):
                      "--json", res]) == 0
     got = json.loads(open(res).read())
     assert got["status"] == "ok" and got["overhead"] == 1.0 and got["step_seconds"] == pytest.approx(321e-6)
+    assert got["lower_bound"]["overhead"] == 1.0  # nothing has to be away above the peak
 
 
 def test_trace_of_a_transformers_config(tmp_path):
@@ -667,3 +668,54 @@ def test_a_copy_out_waited_for_shares_the_link_with_the_copies_ahead_not_behind_
     sim._allocate(third)
     sim._copy_out_now(third)
     assert third.host_at == pytest.approx(2.0 + 1024 / big) and ahead.host_at == pytest.approx(1.4)
+
+
+def test_a_leaf_rewritten_in_place_brings_back_what_its_old_value_made_first():
+    # remat.invalidate_dependents, as the first step's AdamW does it: s = zeros_like(p) is evicted
+    # for a 2 MiB temporary; then p is rewritten in place. s comes back from the old p before that
+    # (one recompute) and is a leaf from then on: its read at op 3 finds it.
+    ops = [("zeros_like", 1.0, [0], [1]), ("temp", 1.0, [0], [2]), ("mul_", 1.0, [0], [3]), ("read", 1.0, [1], [4])]
+    values = [(MiB, -1, 0, -1), (MiB, 0, 1, 3), (2 * MiB, 1, 1, 1), (MiB, 2, 0, -1), (1024, 3, 1, -1)]
+    t = _trace(ops, values)
+    t.value_overwrites[3] = 0
+    t.value_free_at[0] = 2
+    sim = Simulator(t, 4 * MiB, policy="dtr", device=None)
+    out = sim.run()
+    assert out["status"] == "ok" and out["evictions"] == 1 and out["recomputes"] == 1, out
+    assert not sim.values[1].recipe and out["overhead"] == pytest.approx(5.0 / 4.0)
+
+
+def test_lower_bound_arithmetic_on_a_hand_written_trace():
+    from pymem.sim.bound import lower_bound
+    t = _cheap_and_costly()
+    # At op 2 (D made while x is read) 3.5 MiB hold 1.5 MiB of A and B: 0.5 MiB must be away. With
+    # a link too slow to matter, the cheapest release per byte is A's (1 s per MiB): half a second.
+    b = lower_bound(t, 7 * MiB // 2, device=None, link_bytes_per_s=1e-6)
+    assert b["at_op"] == 2 and b["excess_bytes"] == MiB // 2
+    assert b["recompute_seconds"] == pytest.approx(0.5) and b["overhead"] == pytest.approx(13.5 / 13.0)
+    # The 11 s before op 2 carry 0.5 MiB at 1 MiB/s: copying is free then.
+    assert lower_bound(t, 7 * MiB // 2, device=None, link_bytes_per_s=MiB)["overhead"] == 1.0
+    # A budget below op 2's own working set (x and D, 2 MiB) cannot run at all.
+    assert lower_bound(t, 2 * MiB - 512, device=None)["overhead"] == float("inf")
+    assert simulate(t, 2 * MiB - 512, device=None)["status"] == "oom"
+    assert simulate(t, 7 * MiB // 2, device=None)["overhead"] >= 13.5 / 13.0
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        lower_bound(t, 0, device=None)
+
+
+def test_no_replay_beats_the_lower_bound():
+    from pymem.sim.bound import lower_bound
+    from pymem.sim.models import gpt2_xl_step
+    step, meta = gpt2_xl_step(batch=8, seq=256, layers=4, d=256, heads=4, vocab=256)
+    t = capture(step, meta)
+    peak, link = t.peak_bytes(), 4e9
+    bounds, seen = [], 0
+    for ratio in (0.5, 0.4, 0.3):
+        bound = lower_bound(t, int(peak * ratio), link_bytes_per_s=link)["overhead"]
+        bounds.append(bound)
+        for policy, offload in (("dtr", "never"), ("coop", "delta"), ("dtr", "delta")):
+            out = simulate(t, int(peak * ratio), policy=policy, offload=offload, device="h100", link_bytes_per_s=link)
+            if out["status"] != "oom":
+                seen += 1
+                assert out["overhead"] >= bound, (ratio, policy, offload, out["overhead"], bound)
+    assert seen >= 6 and bounds == sorted(bounds) and bounds[-1] > 1.02  # a bound that says something

@@ -599,6 +599,40 @@ class Simulator:
         self.recomputes += 1
         v.last_access = self.clock
 
+    def _cut_dependents(self, leaf: _Value) -> None:
+        """remat.invalidate_dependents: ``leaf`` is about to be written in place, so every recipe
+        that read its old value, directly or through other recipes, is invalid (the first step's
+        AdamW state, zeros_like of a parameter the step then rewrites). Those still alive come back
+        now, while the old value is here, and become leaves."""
+        closure, seen, stack = [], {leaf.index}, [leaf.index]
+        while stack:
+            for k in self.readers[stack.pop()]:
+                for o in self.op_outs[k]:
+                    c = self.values[o]
+                    if c.index not in seen and c.recipe and c.state != NEW:
+                        seen.add(c.index)
+                        closure.append(c)
+                        stack.append(c.index)
+        if not closure:
+            return
+        closure.sort(key=lambda c: c.index)  # creation order: ancestors come back first
+        held = [c for c in closure if c.state == RESIDENT]
+        for c in held:
+            c.locks += 1
+        try:
+            for c in closure:
+                if c.state == EVICTED and not c.dead:
+                    self._restore([c])
+                    c.locks += 1
+                    held.append(c)
+        finally:
+            for c in held:
+                c.locks -= 1
+        for c in closure:
+            if not c.dead:
+                c.recipe = False
+                c.compute_cost = 2 * c.swap_cost  # a leaf's return: its copies, out and back
+
     def _kernel_outputs(self, ins: List[_Value], outs: List[_Value], retry: bool) -> None:
         """Allocate the fresh outputs of a kernel that reads ``ins``: none of them moves meanwhile
         (runtime: ``rt.running``; a block a kernel still fills is not the runtime's yet). A refused
@@ -684,6 +718,8 @@ class Simulator:
                 w = int(t.value_overwrites[o])
                 if w >= 0 and self.values[w].state == RESIDENT:  # in place: v takes over w's bytes
                     old = self.values[w]
+                    if not old.recipe:
+                        self._cut_dependents(old)
                     if old.host_at > self.clock:  # its copy out reads them: done first
                         self._spend_copy(old.host_at - self.clock)
                     v.addr, old.addr = old.addr, 0
