@@ -641,13 +641,10 @@ class Simulator:
         ``defragment_after_failure``): so does this."""
         for i in ins:
             i.busy += 1
-        made: List[_Value] = []
+        made: List[_Value] = []  # allocated so far, held in place (busy)
         try:
             try:
-                for v in outs:
-                    self._allocate(v)
-                    v.busy += 1
-                    made.append(v)
+                self._allocate_held(outs, made)
             except _OOM:
                 if not retry:
                     raise
@@ -664,15 +661,18 @@ class Simulator:
                 if not moved:
                     raise
                 self.retries += 1
-                for v in outs:
-                    self._allocate(v)
-                    v.busy += 1
-                    made.append(v)
+                self._allocate_held(outs, made)
         finally:
             for i in ins:
                 i.busy -= 1
             for v in made:
                 v.busy -= 1
+
+    def _allocate_held(self, outs: List[_Value], made: List[_Value]) -> None:
+        for v in outs:
+            self._allocate(v)
+            v.busy += 1
+            made.append(v)
 
     def _defragment(self) -> bool:
         """compaction.defragment_after_failure: every block that may move slides up against the
