@@ -1,15 +1,25 @@
-// plan_choice.h — how to plan the next step: learn from the greedy's releases, or cover the
-// step's overflow (step_plan.h), chosen from what the steps that followed each way cost. The step
-// trace asks it at every step's end; the simulator (pymem/sim/plan.py) asks the same object, so a
-// replay plans as the runtime would.
+// plan_choice.h — how to plan the next step (step_plan.h's ways): learn early releases from the
+// greedy's, cover the step's overflow, only read next uses (Belady's scores, no early release), or
+// run the policy alone (greedy, as the unplanned first step), chosen from what the steps that
+// followed each way cost. The step trace asks it at every step's end; the simulator
+// (pymem/sim/plan.py) asks the same object, so a replay plans as the runtime would.
+//
+// Why four ways: none wins everywhere. Measured with a fixed cost model on the 4-layer TinyGPT of
+// bench/vs_checkpoint.py, recompute seconds per step: at checkpointing's peak greedy 0.108, the
+// cover 0.071, next uses alone 0.064; at 0.3 of the peak greedy 0.109-0.118, next uses alone 0.130,
+// the plans with early releases 0.132-0.163 (Belady's choices bring whole chains back at a tight
+// budget, where DTR's staleness keeps their ancestors). So `auto` measures each, and is never
+// worse than the greedy policy for long.
 //
 // Each way is measured on the steps that follow it whole since the program last changed, by the
 // memory work it costs: bringing values back (comeback_cost) and moving blocks in compactions (a
-// plan that releases out of order leaves holes that compaction pays for). Each is first tried for kTrialSteps steps, learned
-// then cover; then the next step takes the cheaper by its latest measure (the learned plan keeps
-// learning, from its own steps, so its early steps overstate it), the cover on a tie within
-// kCoverTolerance (it frees memory in order: less compaction), and after every kProbeEvery steps
-// of one way, one step of the other measures it again.
+// plan that releases out of order leaves holes that compaction pays for). Each is first tried in
+// turn (the learned plan for kLearnedTrials steps: it keeps learning from its own steps, so its
+// first overstates it; the others are the same plan every step, tried once); then the next step
+// takes the cheapest by its latest measure, the cover on a tie within kCoverTolerance (it frees
+// memory in order: less compaction), and after every kProbeEvery steps of one way, one step of
+// another (each in turn) measures it again. Where nothing may be covered (no budget, or values are
+// offloaded: copies out ahead and back follow the learned plan's releases), every step is learned.
 #pragma once
 
 #include "step_plan.h"
@@ -21,22 +31,25 @@ namespace pymem {
 class PlanChoice {
  public:
   using Releases = StepPlan::Releases;
+  static constexpr int kWays = 4;  // Releases' values
   static constexpr double kCoverTolerance = 1.05;
-  static constexpr int64_t kTrialSteps = 2;
+  static constexpr int64_t kTrialsEach = 2;  // the second, measured from a step run the same way
+  static constexpr int64_t kTrialSteps = kTrialsEach * kWays;  // steps before the first choice
   static constexpr int64_t kProbeEvery = 5;
 
   // Nothing measured holds any more: a new program, a step that left its plan, another budget.
   void reset();
   // A step that followed a plan made `ran`'s way, whole, cost `cost` seconds of memory work.
   void measured(Releases ran, double cost);
-  // The way to plan the next step; the cover only where `cover_allowed` (a budget to cover).
+  // The way to plan the next step; only kLearned unless `cover_allowed` (a budget to cover, no offloading).
   Releases next(bool cover_allowed);
 
  private:
   static int at(Releases r) { return static_cast<int>(r); }
-  double latest_cost_[2] = {0, 0};  // per Releases
-  int64_t measured_steps_[2] = {0, 0};
-  int64_t streak_ = 0;  // steps the cheaper way ran since the last probe
+  double latest_cost_[kWays] = {0, 0, 0, 0};  // per Releases
+  int64_t measured_steps_[kWays] = {0, 0, 0, 0};
+  int64_t streak_ = 0;  // steps the cheapest way ran since the last probe
+  int probe_ = 0;       // the way the next probe measures, in turn over the others
 };
 
 }  // namespace pymem

@@ -52,13 +52,20 @@ class Cover {
     // The profile first: a step that never overflows needs nothing else.
     size_.resize(m_);
     last_.assign(m_, -1);
+    death_.assign(m_, -1);
     std::vector<int64_t> delta(n_ + 1, 0);
+    const bool deaths = !s.value_free_at.empty();
     for (size_t v = 0; v < m_; ++v) {
       size_[v] = static_cast<int64_t>(align_up(static_cast<size_t>(s.value_bytes[v])));
       if (uses_.begin(v) != uses_.end(v)) last_[v] = *(uses_.end(v) - 1);
       const int32_t p = s.value_producer[v];
+      // It holds its bytes until its storage dies (after its last use: autograd frees a backward
+      // temporary when its node ends; alive at the end: the whole step), or, where deaths were not
+      // observed, until its last use.
+      const int32_t died = !deaths ? last_[v] : s.value_free_at[v] < 0 ? static_cast<int32_t>(n_) - 1 : s.value_free_at[v];
+      death_[v] = p < 0 ? static_cast<int32_t>(n_) - 1 : std::max({last_[v], p, died});
       const size_t from = p < 0 ? 0 : static_cast<size_t>(p);
-      const size_t to = p < 0 ? n_ : static_cast<size_t>(std::max(last_[v], p)) + 1;
+      const size_t to = static_cast<size_t>(death_[v]) + 1;
       delta[from] += size_[v];
       delta[to] -= size_[v];
     }
@@ -121,6 +128,8 @@ class Cover {
         if (*u - prev >= 2) cands.push_back({static_cast<int32_t>(v), prev, *u});
         prev = std::max(prev, *u);
       }
+      // Held past its last use: released there, it never comes back (its tail costs nothing).
+      if (death_[v] > prev) cands.push_back({static_cast<int32_t>(v), prev, death_[v] + 1});
     }
     using Entry = std::pair<double, size_t>;  // (an upper bound of the ratio, candidate)
     std::priority_queue<Entry> queue;
@@ -160,7 +169,7 @@ class Cover {
   bool away_at(int32_t w, int32_t t) const {
     const auto uw = static_cast<size_t>(w);
     if (s_.value_producer[uw] < 0) return false;  // made before the step: kept (a leaf)
-    if (t > last_[uw]) return true;                // dead by then: a recompute that reads it makes it again
+    if (t > death_[uw]) return true;               // dead by then: a recompute that reads it makes it again
     for (const auto& [a, b] : away_[uw])
       if (a < t && t <= b) return true;
     return false;
@@ -194,7 +203,8 @@ class Cover {
     for (int32_t k = next_over(c.after + 1); k < c.until; k = next_over(k + 1), ++work_)
       gain += static_cast<double>(std::min(bytes, over_[static_cast<size_t>(k)]));
     if (gain <= 0) return 0;
-    double cost = lineage(c.value, c.until);
+    // A tail (away past the last use) needs no comeback.
+    double cost = c.until > last_[static_cast<size_t>(c.value)] ? 0 : lineage(c.value, c.until);
     // Picks already made whose recompute falls in this gap read it then: they pay for it too.
     const auto v = static_cast<size_t>(c.value);
     for (const int32_t* x = readers_.begin(v); x != readers_.end(v) && cost < kNever; ++x)
@@ -220,6 +230,7 @@ class Cover {
   Lists uses_, inputs_, readers_;
   std::vector<int64_t> size_;
   std::vector<int32_t> last_;   // a value's last use (-1: none)
+  std::vector<int32_t> death_;  // the op after which it no longer holds its bytes (n - 1: the end)
   std::vector<int64_t> over_;   // bytes over the budget at each position, what the picks leave
   std::vector<int32_t> next_over_;  // next_over()'s links (a root: over, or n)
   int64_t excess_ = 0;          // their sum

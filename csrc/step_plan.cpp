@@ -10,7 +10,9 @@ void StepPlan::build(const StepArrays& s, Releases how, const StepArrays& learne
                      const std::vector<std::pair<int32_t, int32_t>>& cover) {
   index(s);
   how_ = how;
-  set_releases(how == Releases::kCover ? cover : learned(learned_from));
+  set_releases(how == Releases::kCover     ? cover
+               : how == Releases::kLearned ? learned(learned_from)
+                                           : std::vector<std::pair<int32_t, int32_t>>());
 }
 
 void StepPlan::index(const StepArrays& s) {

@@ -27,6 +27,9 @@
 //     cover of where the step overflows, whatever the greedy choices were.
 // A value the plan releases early may have evicted readers: kLearned leaves those to pressure
 // (it does not price the longer recompute), kCover priced them and releases them anyway.
+// Two ways release nothing early: kBelady (pressure alone releases, scored by the plan's next
+// uses) and kGreedy (the policy alone, as without a plan: StepTrace hides the next uses; the step is
+// still checked against the plan, so that it is measured as the others are). plan_choice.h chooses.
 //
 // Invariants: built and read under the runtime's lock; a plan is immutable once built.
 #pragma once
@@ -43,7 +46,7 @@ namespace pymem {
 
 class StepPlan {
  public:
-  enum class Releases { kLearned, kCover };
+  enum class Releases { kLearned, kCover, kBelady, kGreedy };  // the ways, in the order they are tried
   // The plan for a step like `s` (empty when s has no ops). kLearned learns from `learned_from`'s
   // releases and comebacks (a step like s: s itself, or the last step that ran a kLearned plan);
   // kCover releases `cover` (cover_releases of a step like s).

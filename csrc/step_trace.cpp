@@ -40,6 +40,12 @@ void check_step(const StepArrays& s) {
     bad("op_cost needs one entry per op, inputs_start and outputs_start one more");
   if (s.value_producer.size() != m || s.value_recomputable.size() != m)
     bad("value_producer and value_recomputable need one entry per value (value_bytes)");
+  if (!s.value_free_at.empty() && s.value_free_at.size() != m)
+    bad("value_free_at, when given, needs one entry per value (value_bytes)");
+  for (size_t v = 0; v < s.value_free_at.size(); ++v) {
+    const int32_t f = s.value_free_at[v];
+    if (f < -1 || (f >= 0 && static_cast<size_t>(f) >= n)) bad("value_free_at must be an op position or -1");
+  }
   const auto starts_ok = [](const std::vector<int64_t>& start, size_t len) {
     if (start.front() != 0 || static_cast<size_t>(start.back()) != len) return false;
     return std::is_sorted(start.begin(), start.end());
@@ -80,6 +86,7 @@ StepArrays step_from_dict(py::dict d) {
   get_key(d, "value_bytes", s.value_bytes);
   get_key(d, "value_producer", s.value_producer);
   get_key(d, "value_recomputable", s.value_recomputable);
+  if (d.contains("value_free_at")) get_key(d, "value_free_at", s.value_free_at);
   check_step(s);
   return s;
 }
@@ -98,13 +105,15 @@ void events_from_dict(py::dict d, StepArrays& s, bool releases) {
                           "need one entry each per event");
 }
 
+constexpr const char* kReleasesNames[] = {"learned", "cover", "belady", "greedy"};  // by StepPlan::Releases
+
 StepPlan::Releases releases_arg(const std::string& how) {
-  if (how == "learned") return StepPlan::Releases::kLearned;
-  if (how == "cover") return StepPlan::Releases::kCover;
-  throw py::value_error("pymem: a plan releases 'learned' or 'cover', got '" + how + "'");
+  for (int w = 0; w < PlanChoice::kWays; ++w)
+    if (how == kReleasesNames[w]) return static_cast<StepPlan::Releases>(w);
+  throw py::value_error("pymem: a step is planned 'learned', 'cover', 'belady' or 'greedy', got '" + how + "'");
 }
 
-const char* releases_name(StepPlan::Releases how) { return how == StepPlan::Releases::kCover ? "cover" : "learned"; }
+const char* releases_name(StepPlan::Releases how) { return kReleasesNames[static_cast<int>(how)]; }
 
 py::dict as_dict(const StepArrays& s) {
   py::dict d;
@@ -117,6 +126,7 @@ py::dict as_dict(const StepArrays& s) {
   d["value_bytes"] = as_array(s.value_bytes);
   d["value_producer"] = as_array(s.value_producer);
   d["value_recomputable"] = as_array(s.value_recomputable);
+  if (!s.value_free_at.empty()) d["value_free_at"] = as_array(s.value_free_at);
   d["released_at"] = as_array(s.released_at);
   d["released_value"] = as_array(s.released_value);
   d["back_at"] = as_array(s.back_at);
@@ -285,17 +295,17 @@ void StepTrace::set_planning(bool on) {
 }
 
 double StepTrace::seconds_to_next_use(const RecordObject* r) const {
-  if (!following_ || r->trace_step != step()) return -1.0;
+  if (!guided() || r->trace_step != step()) return -1.0;
   return plan_.seconds_to_next_use(static_cast<int32_t>(r->trace_value), current_.op.size());
 }
 
 int64_t StepTrace::next_use_at(const RecordObject* r) const {
-  if (!following_ || r->trace_step != step()) return -1;
+  if (!guided() || r->trace_step != step()) return -1;
   return plan_.next_use_at(static_cast<int32_t>(r->trace_value), current_.op.size());
 }
 
 double StepTrace::planned_seconds_before(int64_t position) const {
-  if (!following_) return -1.0;
+  if (!guided()) return -1.0;
   return plan_.seconds_before(position < 0 ? current_.op.size() : static_cast<size_t>(position));
 }
 
@@ -364,10 +374,13 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           "plan_releases",
           [](const StepTrace& t) -> py::object {
             if (!t.following()) return py::none();
-            return py::str(t.plan_releases() == StepPlan::Releases::kCover ? "cover" : "learned");
+            return py::str(releases_name(t.plan_releases()));
           },
-          "How the plan being followed releases early: 'learned' (from the runtime's releases), 'cover' "
-          "(the cheapest cover of where the step overflows its budget); None when not following a plan.")
+          "How the step being followed was planned (csrc/plan_choice.h): 'learned' (early releases learned from "
+          "the runtime's), 'cover' (the cheapest cover of where the step overflows its budget), 'belady' (next uses "
+          "only), 'greedy' (the policy alone); None when not following a plan.")
+      .def_property_readonly("guided", &StepTrace::guided,
+                             "Following a plan whose next uses guide releases (any way but 'greedy').")
       .def(
           "seconds_to_next_use",
           [](const StepTrace& t, py::handle record) -> py::object {
@@ -431,10 +444,11 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       "Seconds of bringing values back in a step with its comebacks (back_at, back_value): each at its producer's "
       "op_cost. What the step plan measures each way of planning by.");
   py::class_<PlanChoice>(m, "PlanChoice",
-                         "How the step trace chooses to plan each step (csrc/plan_choice.h): 'learned' or 'cover'.")
+                         "How the step trace chooses to plan each step (csrc/plan_choice.h): 'learned', 'cover', "
+                         "'belady' or 'greedy'.")
       .def(py::init<>())
       .def_property_readonly_static("TRIAL_STEPS", [](py::object) { return PlanChoice::kTrialSteps; },
-                                    "Steps each way is tried before the choice.")
+                                    "Steps the ways are tried, in turn, before the first choice.")
       .def("reset", &PlanChoice::reset, "Forget what was measured (a new program, or another budget).")
       .def(
           "measured",
@@ -444,7 +458,9 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       .def(
           "next",
           [](PlanChoice& c, bool cover_allowed) { return releases_name(c.next(cover_allowed)); },
-          py::arg("cover_allowed"), "The way to plan the next step: 'learned' or 'cover'.");
+          py::arg("cover_allowed"),
+          "The way to plan the next step: 'learned', 'cover', 'belady' or 'greedy' ('learned' only where nothing may be "
+          "covered).");
   m.def("op_code", &op_code, py::arg("name"), "The process-wide code of an op (its str(OpOverload)).");
   m.def("op_name", &op_name, py::arg("code"));
 }

@@ -19,6 +19,10 @@
 //                value_producer[v]  the op that made it, or -1: made before this step
 //                value_recomputable[v]  1 if it got a recipe (it can be evicted and recomputed);
 //                                0: a leaf (gradients, optimizer writes, the step's inputs)
+//                value_free_at[v]  the op after which its storage died (-1: alive at the step's end);
+//                                optional: empty where deaths were not observed. A value can die
+//                                after its last use (autograd frees a backward temporary when its
+//                                node ends): without it, the plan takes its last use for its death.
 // A value's uses are the ops whose inputs list it (forward and backward alike).
 //   releases:    released_at[i], released_value[i]   while planning: value released_value[i] left
 //                memory (evicted or offloaded) while op released_at[i] ran (or after it, when the
@@ -65,6 +69,8 @@ class StepTrace {
   bool planning() const { return planning_; }
   void set_planning(bool on);
   bool following() const { return following_; }       // the step so far is the plan's
+  // Following a plan whose next uses guide releases (all ways but kGreedy): what the next three read.
+  bool guided() const { return following_ && plan_.releases() != StepPlan::Releases::kGreedy; }
   int64_t num_divergences() const { return num_divergences_; }  // steps that left their plan
   int64_t num_cover_steps() const { return num_cover_steps_; }  // steps that followed a cover plan whole
   // Planned seconds until r's value is next read in this step (+infinity: not again in this step);

@@ -1,13 +1,16 @@
-"""How each step is planned (csrc/plan_choice.h): learned or cover, by the memory work the steps
-that followed each cost; and the learned plan's releases as ``_C.learned_releases`` gives them to
-the simulator (csrc/step_plan.h)."""
+"""How each step is planned (csrc/plan_choice.h): learned, cover, belady (next uses only) or
+greedy (the policy alone), by the memory work the steps that followed each cost; and the learned
+plan's releases as ``_C.learned_releases`` gives them to the simulator (csrc/step_plan.h)."""
 import pytest
 
 import pymem
 from test_plan_cover import _step
 
+WAYS = ["learned", "cover", "belady", "greedy"]
+TRIALS = [w for w in WAYS for _ in range(2)]  # each way twice, in turn
 
-def _choices(costs, steps=12, cover_allowed=True):
+
+def _choices(costs, steps=14, cover_allowed=True):
     """The ways PlanChoice picks over ``steps`` steps, each step measured at costs[way]."""
     c, out = pymem._C.PlanChoice(), []
     for _ in range(steps):
@@ -17,33 +20,50 @@ def _choices(costs, steps=12, cover_allowed=True):
     return out
 
 
-def test_each_way_is_tried_twice_then_the_cheaper_runs_with_a_probe_every_five_steps():
-    assert _choices({"learned": 1.0, "cover": 2.0}) == \
-        ["learned"] * 2 + ["cover"] * 2 + ["learned"] * 5 + ["cover"] + ["learned"] * 2
-    assert _choices({"learned": 2.0, "cover": 1.0}) == \
-        ["learned"] * 2 + ["cover"] * 2 + ["cover"] * 5 + ["learned"] + ["cover"] * 2
+def test_each_way_is_tried_twice_then_the_cheapest_runs_with_a_probe_of_another_every_five_steps():
+    assert pymem._C.PlanChoice.TRIAL_STEPS == len(TRIALS)
+    costs = {"learned": 2.0, "cover": 3.0, "belady": 4.0, "greedy": 1.0}
+    # The probes measure the other ways in turn (the cheapest skipped).
+    assert _choices(costs, steps=len(TRIALS) + 18) == \
+        TRIALS + ["greedy"] * 5 + ["learned"] + ["greedy"] * 5 + ["cover"] + ["greedy"] * 5 + ["belady"]
+    for cheapest in WAYS:
+        costs = {w: 1.0 if w == cheapest else 2.0 for w in WAYS}
+        assert _choices(costs)[len(TRIALS):len(TRIALS) + 5] == [cheapest] * 5
 
 
-def test_a_tie_within_five_percent_goes_to_the_cover():
-    assert _choices({"learned": 1.0, "cover": 1.05}, steps=6)[4:] == ["cover", "cover"]
-    assert _choices({"learned": 1.0, "cover": 1.06}, steps=6)[4:] == ["learned", "learned"]
+def test_a_probe_that_measures_cheaper_takes_over():
+    c, costs = pymem._C.PlanChoice(), {"learned": 2.0, "cover": 3.0, "belady": 4.0, "greedy": 1.0}
+    for _ in range(len(TRIALS) + 5):
+        how = c.next(True)
+        c.measured(how, costs[how])
+    probe = c.next(True)
+    assert probe == "learned"
+    c.measured(probe, 0.5)  # the program got cheaper to run the learned way
+    assert c.next(True) == "learned"
+
+
+def test_a_tie_within_five_percent_of_the_cheapest_goes_to_the_cover():
+    n = len(TRIALS)
+    assert _choices({"learned": 1.0, "cover": 1.05, "belady": 2.0, "greedy": 2.0}, steps=n + 2)[n:] == ["cover"] * 2
+    assert _choices({"learned": 1.0, "cover": 1.06, "belady": 2.0, "greedy": 2.0}, steps=n + 2)[n:] == ["learned"] * 2
+    assert _choices({"learned": 2.0, "cover": 1.04, "belady": 2.0, "greedy": 1.0}, steps=n + 2)[n:] == ["cover"] * 2
 
 
 def test_without_a_budget_to_cover_every_step_is_learned():
-    assert _choices({"learned": 9.0, "cover": 1.0}, cover_allowed=False) == ["learned"] * 12
+    assert _choices({"learned": 9.0, "cover": 1.0, "belady": 1.0, "greedy": 1.0}, cover_allowed=False) == ["learned"] * 14
 
 
 def test_reset_starts_the_trials_over():
     c = pymem._C.PlanChoice()
-    for _ in range(6):
+    for _ in range(len(TRIALS) + 2):
         c.measured(c.next(True), 1.0)
     c.reset()
     assert [c.next(True) for _ in range(1)] == ["learned"]
 
 
 def test_a_bad_way_is_a_clear_error():
-    with pytest.raises(ValueError, match="'learned' or 'cover', got 'greedy'"):
-        pymem._C.PlanChoice().measured("greedy", 1.0)
+    with pytest.raises(ValueError, match="'learned', 'cover', 'belady' or 'greedy', got 'fastest'"):
+        pymem._C.PlanChoice().measured("fastest", 1.0)
 
 
 def _chain(n):
@@ -71,3 +91,36 @@ def test_comeback_cost_prices_each_comeback_at_its_producer():
         pymem._C.comeback_cost(s)
     with pytest.raises(ValueError, match="one entry each per event"):
         pymem._C.learned_releases(s, {"released_at": [1], "released_value": [], "back_at": [], "back_value": []})
+
+
+def test_every_way_trains_bitwise_in_budget_and_only_the_plans_release_early(managed):
+    """A run through the trials and past them: each of the four ways plans some step; the learned
+    plan and the cover release early, belady and greedy do not, and greedy leaves pressure to the
+    policy alone (no release is chosen by the plan's next uses); training stays bitwise."""
+    import runtime_models as rm
+    from bitwise_harness import assert_bitwise_equal, budget_at, measure_peak, run_unmanaged, state_of
+    from test_plan_cover import FIXED
+
+    steps = pymem._C.PlanChoice.TRIAL_STEPS + 4
+    ref_out, ref_state, _ = run_unmanaged(lambda: rm.trainer("gpt"), steps)
+    budget = budget_at(measure_peak(lambda: rm.trainer("gpt"), steps), 0.5)
+    rt = pymem.enable(budget=budget, device="cpu", cost=FIXED, plan="auto")
+    step, outs, seen = rm.trainer("gpt"), [], {}
+    for _ in range(steps):
+        way = rt.trace.plan_releases
+        before = pymem.memory_stats()
+        outs.append(step())
+        after = pymem.memory_stats()
+        delta = {k: after[k] - before[k] for k in ("num_planned_releases", "plan_hits", "num_evictions")}
+        seen.setdefault(way, []).append(delta)
+    state = [t.clone() for t in state_of(step.model)]
+    assert after["allocated_bytes.peak"] <= budget
+    pymem.disable()
+    assert_bitwise_equal("losses", ref_out, outs)
+    assert_bitwise_equal("parameters", ref_state, state)
+    assert set(WAYS) <= set(seen), seen
+    assert any(d["num_planned_releases"] > 0 for w in ("learned", "cover") for d in seen[w]), seen
+    for w in ("belady", "greedy"):
+        assert all(d["num_planned_releases"] == 0 for d in seen[w]), seen
+        assert all(d["num_evictions"] > 0 for d in seen[w]), seen  # under pressure all the same
+    assert all(d["plan_hits"] == 0 for d in seen["greedy"]) and any(d["plan_hits"] > 0 for d in seen["belady"]), seen

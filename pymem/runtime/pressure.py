@@ -203,7 +203,7 @@ class PressureHandler:
                     best, best_key = r, k
         if best is None:  # last resort: a prefetch's buffer, still filling
             return rt.swap.cancel_one(request) if rt.swap is not None else 0
-        if rt.residency.plan is not None and rt.trace.following:
+        if rt.residency.plan is not None and rt.trace.guided:
             self.num_planned += 1
         rt.residency.release(best)
         return best.nbytes

@@ -1,10 +1,12 @@
 """The step plan in a replay: the steps the runtime runs before its plan settles.
 
 The runtime plans each step from the one before it (csrc/step_trace.h). Its first step runs
-unplanned (the policy alone). Every later step follows a plan made one of two ways, which
+unplanned (the policy alone). Every later step follows a plan made one of four ways, which
 csrc/plan_choice.h chooses by what the steps that followed each way brought back:
-``learned`` (the releases of the step before, made right after their last use: csrc/step_plan.h)
-or ``cover`` (the cheapest cover of where the step overflows its budget: csrc/plan_cover.h).
+``learned`` (the releases of the step before, made right after their last use: csrc/step_plan.h),
+``cover`` (the cheapest cover of where the step overflows its budget: csrc/plan_cover.h),
+``belady`` (no early release; pressure scored by the plan's next uses) or ``greedy`` (the
+policy alone, as the first step).
 
 A replay is one step, so ``replay_planned`` replays the runtime's sequence of steps with the same
 C++ (``_C.learned_releases``, ``_C.cover_releases``, ``_C.PlanChoice``; the runtime's measure: the
@@ -14,7 +16,7 @@ reports that last step. Every step replayed must fit: the runtime raises at the 
 not, so the first replay that runs out of budget is the result.
 
 The cover depends only on the program and the budget, so its steps replay the same: each distinct
-step is replayed once. (The prefetch feedback carried from step to step, swap.py's, changes only
+step is replayed once (as are ``belady``'s and ``greedy``'s). (The prefetch feedback carried from step to step, swap.py's, changes only
 where values are offloaded, and there the runtime plans learned only.)
 """
 from typing import Dict, List, Optional, Tuple
@@ -33,7 +35,7 @@ def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
             "inputs_start": trace.inputs_start, "inputs": trace.inputs,
             "outputs_start": trace.outputs_start, "outputs": trace.outputs,
             "value_bytes": trace.value_bytes, "value_producer": trace.value_producer,
-            "value_recomputable": trace.value_recomputable}
+            "value_recomputable": trace.value_recomputable, "value_free_at": trace.value_free_at}
 
 
 def copy_ahead(trace: Trace, sim: Simulator) -> Dict[int, Tuple[int, int]]:
@@ -54,7 +56,7 @@ def copy_ahead(trace: Trace, sim: Simulator) -> Dict[int, Tuple[int, int]]:
 
 def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     """The step the runtime settles on with ``plan="auto"`` (``Simulator``'s keywords), with
-    ``plan_releases`` ("learned" or "cover": how it was planned) and ``plan_steps`` (each step
+    ``plan_releases`` ("learned", "cover", "belady" or "greedy": how it was planned) and ``plan_steps`` (each step
     replayed on the way: its plan, status, overhead, and the seconds it brought values back and
     moved blocks for: the choice's measure, as the runtime's)."""
     kw.pop("plan", None)
@@ -77,16 +79,23 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     steps.append(summary)
     if trace.num_ops == 0:  # nothing to plan: the runtime follows no empty plan
         return dict(out, plan_releases=None, plan_steps=steps)
-    cover: Optional[Tuple[Dict, Dict, Dict]] = None
-    for _ in range(2 * _C.PlanChoice.TRIAL_STEPS + 1):  # each way's trials, then the settled step
+    # The ways whose step is the same every time; greedy's is the unplanned first step's.
+    fixed: Dict[str, Tuple[Dict, Dict, Dict]] = {"greedy": (out, learned_from, dict(summary, plan="greedy"))}
+
+    def simulator(how: str) -> Simulator:
+        if how == "cover":
+            return Simulator(trace, budget, plan="auto", releases=_C.cover_releases(step, budget),
+                             releases_chains=True, **kw)
+        return Simulator(trace, budget, plan="auto", **kw)  # belady: next uses, no early release
+
+    for _ in range(_C.PlanChoice.TRIAL_STEPS + 1):  # the ways' trials, then the settled step
         if out["status"] == "oom":
             break
         how = choice.next(cover_allowed)
-        if how == "cover":
-            if cover is None:
-                releases = _C.cover_releases(step, budget)
-                cover = run(Simulator(trace, budget, plan="auto", releases=releases, releases_chains=True, **kw), how)
-            out, _, summary = cover
+        if how != "learned":
+            if how not in fixed:
+                fixed[how] = run(simulator(how), how)
+            out, _, summary = fixed[how]
         else:
             releases = _C.learned_releases(step, learned_from)
             out, learned_from, summary = run(Simulator(trace, budget, plan="auto", releases=releases, **kw), how)

@@ -1,0 +1,104 @@
+"""Which way the step plan settles on, and what each costs, with fixed op costs (no timer noise).
+
+    python bench/plan_ways.py [--models transformer,deep,cnn] [--ratios ckpt,0.5,0.3] [--steps 16]
+                              [--json FILE]
+
+For each model of bench/vs_checkpoint.py and each budget (``ckpt``: the checkpoint-every-block
+peak; a number: that share of the unmanaged peak), in one process: ``--steps`` training steps with
+``plan="off"`` (the policy alone), then with ``plan="auto"``, both under
+``cost=CostModel(1e11, 1e10, 5e-6)``, so every decision repeats run to run. Per step: the
+recompute seconds (``remat_seconds``, at the fixed costs), the MiB compaction moved, and the way the
+step was planned (csrc/plan_choice.h: learned, cover, belady, greedy; "-" before the plan starts).
+Printed: each step, and the means over the steps after the trials (``plan="auto"``: from the first
+step the choice made; ``plan="off"``: the same steps).
+"""
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see remat_bench.py
+
+import torch  # noqa: E402
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+sys.path.insert(0, os.path.join(_ROOT, "bench"))
+import pymem  # noqa: E402
+from pymem.cost_model import CostModel  # noqa: E402
+from vs_checkpoint import make, peak_of  # noqa: E402
+
+MiB = 2 ** 20
+COST = CostModel(1e11, 1e10, 5e-6)
+
+
+def run(name, budget, plan, steps):
+    """Per step: (way, recompute seconds, MiB moved); None when the budget is infeasible."""
+    rt = pymem.enable(budget, device="cpu", plan=plan, cost=COST)
+    rows = []
+    try:
+        step = make(name, "plain", False, [])
+        before = pymem.memory_stats()
+        for _ in range(steps):
+            way = rt.trace.plan_releases or "-"
+            step()
+            after = pymem.memory_stats()
+            rows.append((way, after["remat_seconds"] - before["remat_seconds"],
+                         (after["moved_bytes"] - before["moved_bytes"]) / MiB))
+            before = after
+    except pymem.OutOfBudgetError:
+        return None
+    finally:
+        pymem.disable()
+        step = None
+        gc.collect()
+    return rows
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="transformer,deep,cnn")
+    ap.add_argument("--ratios", default="ckpt,0.5,0.3")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    settled_from = pymem._C.PlanChoice.TRIAL_STEPS + 2  # the plan starts at step 3, then the trials
+    if a.steps <= settled_from:
+        ap.error(f"--steps must be over {settled_from}: the choice settles from step {settled_from + 1}")
+    out = {"cost": [COST.flop_rate, COST.byte_rate, COST.launch], "settled_from_step": settled_from + 1, "models": {}}
+    for name in a.models.split(","):
+        peak = peak_of(name, "plain", False, 2)
+        ckpt = peak_of(name, "checkpoint", False, 2)
+        res = out["models"][name] = {"peak_bytes": peak, "checkpoint_peak_bytes": ckpt, "budgets": {}}
+        print(f"{name}: unmanaged peak {peak / MiB:.1f} MiB, checkpointed {ckpt / peak:.3f} of it")
+        for r in a.ratios.split(","):
+            budget = ckpt if r == "ckpt" else int(float(r) * peak)
+            budget -= budget % 512
+            label = f"{budget / peak:.2f}" + (" (ckpt)" if r == "ckpt" else "")
+            entry = res["budgets"][r] = {"budget_bytes": budget}
+            for plan in ("off", "auto"):
+                rows = run(name, budget, plan, a.steps)
+                if rows is None:
+                    entry[plan] = {"feasible": False}
+                    print(f"  {label:<12} plan={plan:<4}  infeasible")
+                    continue
+                tail = rows[settled_from:]
+                ways = sorted({w for w, _, _ in tail})
+                entry[plan] = {"feasible": True, "steps": rows, "ways_settled": ways,
+                               "remat_seconds_settled": statistics.mean(s for _, s, _ in tail),
+                               "moved_mib_settled": statistics.mean(m for _, _, m in tail)}
+                print(f"  {label:<12} plan={plan:<4}  settled: {entry[plan]['remat_seconds_settled']:.4f} s recompute, "
+                      f"{entry[plan]['moved_mib_settled']:5.1f} MiB moved per step, ways {'/'.join(ways)}")
+                print("      " + " ".join(f"{w[:2]}:{s:.3f}" for w, s, _ in rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
