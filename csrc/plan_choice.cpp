@@ -1,36 +1,68 @@
 // plan_choice.cpp — the way each step is planned, by measure (see plan_choice.h).
 #include "plan_choice.h"
 
+#include <algorithm>
+
 namespace pymem {
 
 void PlanChoice::reset() {
-  for (int64_t& n : measured_steps_) n = 0;
+  for (int w = 0; w < kWays; ++w) {
+    measured_steps_[w] = 0;
+    sit_out_[w] = 0;
+    next_sit_out_[w] = 1;
+  }
   streak_ = 0;
   probe_ = 0;
+  probing_ = -1;
+}
+
+int PlanChoice::cheapest(int except) const {
+  int best = -1;
+  for (int w = 0; w < kWays; ++w)
+    if (w != except && (best < 0 || latest_cost_[w] < latest_cost_[best])) best = w;
+  const int cover = at(Releases::kCover);
+  if (cover != except && latest_cost_[cover] <= latest_cost_[best] * kCoverTolerance) best = cover;
+  return best;
 }
 
 void PlanChoice::measured(Releases ran, double cost) {
-  latest_cost_[at(ran)] = cost;
-  ++measured_steps_[at(ran)];
+  const int w = at(ran);
+  latest_cost_[w] = cost;
+  ++measured_steps_[w];
+  if (probing_ != w) return;
+  probing_ = -1;
+  if (cost > kFar * latest_cost_[cheapest(w)]) {  // far behind still: probed less often
+    sit_out_[w] = next_sit_out_[w];
+    next_sit_out_[w] = std::min(2 * next_sit_out_[w], kMaxSitOut);
+  } else {
+    sit_out_[w] = 0;
+    next_sit_out_[w] = 1;
+  }
 }
 
 PlanChoice::Releases PlanChoice::next(bool cover_allowed) {
+  probing_ = -1;
   if (!cover_allowed) return Releases::kLearned;
   for (int w = 0; w < kWays; ++w)  // the trials, in the order of Releases
     if (measured_steps_[w] < kTrialsEach) return static_cast<Releases>(w);
-  int cheapest = 0;
-  for (int w = 1; w < kWays; ++w)
-    if (latest_cost_[w] < latest_cost_[cheapest]) cheapest = w;
-  if (latest_cost_[at(Releases::kCover)] <= latest_cost_[cheapest] * kCoverTolerance) cheapest = at(Releases::kCover);
+  const int best = cheapest();
   if (streak_ < kProbeEvery) {
     ++streak_;
-    return static_cast<Releases>(cheapest);
+    return static_cast<Releases>(best);
   }
   streak_ = 0;
-  if (probe_ == cheapest) probe_ = (probe_ + 1) % kWays;
-  const int probe = probe_;
-  probe_ = (probe_ + 1) % kWays;
-  return static_cast<Releases>(probe);
+  for (int turn = 0; turn < kWays; ++turn) {  // the other ways in turn, past those sitting out
+    const int w = probe_;
+    probe_ = (probe_ + 1) % kWays;
+    if (w == best) continue;
+    if (sit_out_[w] > 0) {
+      --sit_out_[w];
+      continue;
+    }
+    probing_ = w;
+    return static_cast<Releases>(w);
+  }
+  return static_cast<Releases>(best);  // every other way sits this turn out
 }
 
 }  // namespace pymem

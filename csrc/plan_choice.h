@@ -18,7 +18,10 @@
 // first overstates it; the others are the same plan every step, tried once); then the next step
 // takes the cheapest by its latest measure, the cover on a tie within kCoverTolerance (it frees
 // memory in order: less compaction), and after every kProbeEvery steps of one way, one step of
-// another (each in turn) measures it again. Where nothing may be covered (no budget, or values are
+// another (each in turn) measures it again. A probe costs what its way costs more than the
+// cheapest (a greedy step at the CNN's checkpointed peak: 3x), so a way whose probe measured over
+// kFar times the cheapest sits out its next turns, twice as many each time it does so again (up to
+// kMaxSitOut turns); a probe that measures near the cheapest brings it back to every turn. Where nothing may be covered (no budget, or values are
 // offloaded: copies out ahead and back follow the learned plan's releases), every step is learned.
 #pragma once
 
@@ -36,6 +39,8 @@ class PlanChoice {
   static constexpr int64_t kTrialsEach = 2;  // the second, measured from a step run the same way
   static constexpr int64_t kTrialSteps = kTrialsEach * kWays;  // steps before the first choice
   static constexpr int64_t kProbeEvery = 5;
+  static constexpr double kFar = 1.5;
+  static constexpr int64_t kMaxSitOut = 8;
 
   // Nothing measured holds any more: a new program, a step that left its plan, another budget.
   void reset();
@@ -46,10 +51,14 @@ class PlanChoice {
 
  private:
   static int at(Releases r) { return static_cast<int>(r); }
+  int cheapest(int except = -1) const;  // by latest measure, the cover on a tie (the others: `except` left out)
   double latest_cost_[kWays] = {0, 0, 0, 0};  // per Releases
   int64_t measured_steps_[kWays] = {0, 0, 0, 0};
   int64_t streak_ = 0;  // steps the cheapest way ran since the last probe
-  int probe_ = 0;       // the way the next probe measures, in turn over the others
+  int probe_ = 0;       // the way the next probe turn starts from, in turn over the others
+  int probing_ = -1;    // the way the step being run probes (-1: none)
+  int64_t sit_out_[kWays] = {0, 0, 0, 0};     // probe turns a way still sits out
+  int64_t next_sit_out_[kWays] = {1, 1, 1, 1};  // turns it sits out if its next probe is far again
 };
 
 }  // namespace pymem

@@ -22,13 +22,43 @@ def _choices(costs, steps=14, cover_allowed=True):
 
 def test_each_way_is_tried_twice_then_the_cheapest_runs_with_a_probe_of_another_every_five_steps():
     assert pymem._C.PlanChoice.TRIAL_STEPS == len(TRIALS)
-    costs = {"learned": 2.0, "cover": 3.0, "belady": 4.0, "greedy": 1.0}
+    costs = {"learned": 1.2, "cover": 1.3, "belady": 1.4, "greedy": 1.0}
     # The probes measure the other ways in turn (the cheapest skipped).
-    assert _choices(costs, steps=len(TRIALS) + 18) == \
-        TRIALS + ["greedy"] * 5 + ["learned"] + ["greedy"] * 5 + ["cover"] + ["greedy"] * 5 + ["belady"]
+    assert _choices(costs, steps=len(TRIALS) + 24) == \
+        TRIALS + ["greedy"] * 5 + ["learned"] + ["greedy"] * 5 + ["cover"] + ["greedy"] * 5 + ["belady"] + \
+        ["greedy"] * 5 + ["learned"]
     for cheapest in WAYS:
-        costs = {w: 1.0 if w == cheapest else 2.0 for w in WAYS}
+        costs = {w: 1.0 if w == cheapest else 1.2 for w in WAYS}
         assert _choices(costs)[len(TRIALS):len(TRIALS) + 5] == [cheapest] * 5
+
+
+def test_a_way_far_behind_sits_out_probe_turns_twice_as_many_each_time():
+    """A probe measuring over 1.5x the cheapest: its way sits out its next turn, then two, four,
+    up to eight; one measuring near brings it back to every turn."""
+    costs = {"learned": 1.2, "cover": 1.3, "belady": 1.4, "greedy": 1.0}
+    got = _choices(dict(costs, belady=1.6), steps=len(TRIALS) + 6 * 12)[len(TRIALS):]
+    probes = [w for i, w in enumerate(got) if i % 6 == 5]
+    # belady's turns: probed (far), sits out 1, probed (far), sits out 2, probed, sits out 4 ...
+    assert probes == ["learned", "cover", "belady", "learned", "cover", "learned", "cover", "belady",
+                      "learned", "cover", "learned", "cover"]
+    c = pymem._C.PlanChoice()
+    way_costs = dict(costs, belady=1.6)
+    seen = []
+    for step in range(len(TRIALS) + 6 * 12):
+        how = c.next(True)
+        if how == "belady" and step >= len(TRIALS):
+            way_costs["belady"] = 1.1  # the program changed its mind: near again
+        seen.append(how)
+        c.measured(how, way_costs[how])
+    tail = [w for i, w in enumerate(seen[len(TRIALS):]) if i % 6 == 5]
+    assert tail[:6] == ["learned", "cover", "belady", "learned", "cover", "belady"]
+
+
+def test_every_other_way_sitting_out_leaves_the_cheapest_running():
+    costs = {"learned": 3.0, "cover": 3.0, "belady": 3.0, "greedy": 1.0}
+    got = _choices(costs, steps=len(TRIALS) + 24)[len(TRIALS):]
+    assert got == ["greedy"] * 5 + ["learned"] + ["greedy"] * 5 + ["cover"] + ["greedy"] * 5 + ["belady"] + \
+        ["greedy"] * 6  # each sits its next turn out: no probe
 
 
 def test_a_probe_that_measures_cheaper_takes_over():

@@ -51,6 +51,18 @@ def test_the_cover_prices_the_inputs_a_recompute_must_redo():
     assert pymem._C.cover_releases(step(5), 3 * KB) == [(2, 3)]  # b: 3 < a's 1 + w's 5
 
 
+def test_a_value_held_past_its_last_use_counts_until_it_dies_and_goes_after_that_use_for_free():
+    # x (0); a = f(x) (1, read once, by op 1); b = g(a) (2); c = h(b) (3); d = k(c) (4); e = m(b, d) (5).
+    # By last uses the step peaks at 4 KB; the program holds a until op 3 (autograd frees a saved
+    # tensor when its node ends, a user keeps a reference): then op 3 holds 5 KB.
+    s = _step([(1, [0]), (1, [1]), (1, [2]), (1, [3]), (1, [2, 4])])
+    assert pymem._C.cover_releases(s, 4 * KB) == []
+    held = dict(s, value_free_at=[-1, 3, 4, 3, 4, -1])
+    # a goes right after its last read (op 1): nothing reads it again, so it costs no recompute.
+    assert pymem._C.cover_releases(held, 4 * KB) == [(1, 1)]
+    assert pymem._C.cover_releases(held, 5 * KB) == []
+
+
 def test_bad_step_arrays_are_a_clear_error():
     s = _step([(1, [0]), (1, [1])])
     s["inputs"][0] = 7
@@ -60,6 +72,11 @@ def test_bad_step_arrays_are_a_clear_error():
     s["op_cost"].append(1.0)
     with pytest.raises(ValueError, match=r"bad step arrays: op_cost needs one entry per op"):
         pymem._C.cover_releases(s, KB)
+    s = _step([(1, [0])])
+    with pytest.raises(ValueError, match=r"value_free_at, when given, needs one entry per value"):
+        pymem._C.cover_releases(dict(s, value_free_at=[-1]), KB)
+    with pytest.raises(ValueError, match=r"value_free_at must be an op position or -1"):
+        pymem._C.cover_releases(dict(s, value_free_at=[-1, 1]), KB)
 
 
 def test_a_cover_plan_trains_bitwise_equal_in_budget_and_repeats(managed):

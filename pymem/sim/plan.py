@@ -30,12 +30,16 @@ from .trace import Trace
 
 
 def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
-    """The trace as the runtime's step arrays (csrc/step_trace.h), priced by ``seconds``."""
-    return {"op": trace.op.astype(np.int32), "op_cost": np.asarray(seconds, dtype=np.float64),
+    """The trace as the runtime's step arrays (csrc/step_trace.h), priced by ``seconds``; with its
+    values' deaths where they were observed (a capture's; a step the runtime recorded has none)."""
+    step = {"op": trace.op.astype(np.int32), "op_cost": np.asarray(seconds, dtype=np.float64),
             "inputs_start": trace.inputs_start, "inputs": trace.inputs,
             "outputs_start": trace.outputs_start, "outputs": trace.outputs,
             "value_bytes": trace.value_bytes, "value_producer": trace.value_producer,
-            "value_recomputable": trace.value_recomputable, "value_free_at": trace.value_free_at}
+            "value_recomputable": trace.value_recomputable}
+    if trace.meta.get("source") != "runtime":
+        step["value_free_at"] = trace.value_free_at
+    return step
 
 
 def copy_ahead(trace: Trace, sim: Simulator) -> Dict[int, Tuple[int, int]]:
