@@ -4,25 +4,26 @@
 // followed each way cost. The step trace asks it at every step's end; the simulator
 // (pymem/sim/plan.py) asks the same object, so a replay plans as the runtime would.
 //
-// Why four ways: none wins everywhere. Measured with a fixed cost model on the 4-layer TinyGPT of
-// bench/vs_checkpoint.py, recompute seconds per step: at checkpointing's peak greedy 0.108, the
-// cover 0.071, next uses alone 0.064; at 0.3 of the peak greedy 0.109-0.118, next uses alone 0.130,
-// the plans with early releases 0.132-0.163 (Belady's choices bring whole chains back at a tight
-// budget, where DTR's staleness keeps their ancestors). So `auto` measures each, and is never
-// worse than the greedy policy for long.
+// Why four ways: none wins everywhere. Recompute seconds per step with fixed op costs
+// (bench/plan_ways.py): at the CNN's checkpointed peak greedy 0.166, learned 0.10, the cover 0.077,
+// next uses alone 0.058; on the 4-layer TinyGPT at 0.3 of its peak greedy 0.109-0.118, next uses
+// alone 0.130, the plans with early releases 0.13-0.16 (Belady's choices bring whole chains back at
+// a tight budget, where DTR's staleness keeps their ancestors). So `auto` measures each, and is
+// never worse than the greedy policy for long.
 //
 // Each way is measured on the steps that follow it whole since the program last changed, by the
 // memory work it costs: bringing values back (comeback_cost) and moving blocks in compactions (a
-// plan that releases out of order leaves holes that compaction pays for). Each is first tried in
-// turn (the learned plan for kLearnedTrials steps: it keeps learning from its own steps, so its
-// first overstates it; the others are the same plan every step, tried once); then the next step
-// takes the cheapest by its latest measure, the cover on a tie within kCoverTolerance (it frees
-// memory in order: less compaction), and after every kProbeEvery steps of one way, one step of
-// another (each in turn) measures it again. A probe costs what its way costs more than the
-// cheapest (a greedy step at the CNN's checkpointed peak: 3x), so a way whose probe measured over
-// kFar times the cheapest sits out its next turns, twice as many each time it does so again (up to
-// kMaxSitOut turns); a probe that measures near the cheapest brings it back to every turn. Where nothing may be covered (no budget, or values are
-// offloaded: copies out ahead and back follow the learned plan's releases), every step is learned.
+// plan that releases out of order leaves holes that compaction pays for). Each is first tried for
+// kTrialsEach steps, in turn (a step starts from what the step before left in memory, so the second
+// of two steps run the same way measures that way; the learned plan also keeps learning from its
+// own steps); then the next step takes the cheapest by its latest measure, the cover on a tie
+// within kCoverTolerance (it frees memory in order: less compaction), and after every kProbeEvery
+// steps of one way, one step of another (each in turn) measures it again. A probe costs what its
+// way costs more than the cheapest (a greedy step at the CNN's checkpointed peak: 3x), so a way
+// whose probe measured over kFar times the cheapest sits out its next turns, twice as many each
+// time it does so again (up to kMaxSitOut turns); a probe that measures near the cheapest brings
+// it back to every turn. Where nothing may be covered (no budget, or values are offloaded: copies
+// out ahead and back follow the learned plan's releases), every step is learned.
 #pragma once
 
 #include "step_plan.h"
