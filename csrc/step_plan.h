@@ -15,8 +15,8 @@
 //   before[k]                        planned seconds of the ops before position k (before[0] = 0)
 //   due_start[k] .. due_start[k+1]   indices into `due`: values to release right after op k
 //
-// Early release, two ways (`Releases`), both right after a value's last use before a gap in its
-// uses, where its memory would otherwise sit unused until pressure came, so memory is freed in the
+// Early release, two of the ways (`Releases`), both right after a value's last use before a gap in
+// its uses, where its memory would otherwise sit unused until pressure came, so memory is freed in the
 // order the step stops needing it and the pressure handler (and compaction) has less to do:
 //   kLearned: a value the step before released (under pressure, or early itself) at position p, and
 //     reads again only a long stretch later (kLongStretch of the step), is released after its last

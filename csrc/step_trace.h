@@ -123,7 +123,7 @@ class StepTrace {
   void plan_next(double moved_seconds);
   StepArrays current_, last_;
   StepPlan plan_;
-  PlanChoice choice_;  // learned or cover, by what the steps that followed each cost
+  PlanChoice choice_;  // learned, cover, belady or greedy, by what the steps that followed each cost
   int64_t budget_ = 0;
   // The cover of the program as it runs now: computed once, kept until it changes (or the budget).
   std::vector<std::pair<int32_t, int32_t>> cover_;

@@ -80,8 +80,8 @@ def test_bad_step_arrays_are_a_clear_error():
 
 
 def test_a_cover_plan_trains_bitwise_equal_in_budget_and_repeats(managed):
-    """Two trial steps of the learned plan, two of the cover, then the cheaper: the cover's values
-    are released at their last forward use (with evicted readers, which it priced) and recomputed
+    """Through the trials of each way of planning (csrc/plan_choice.h), the cover's two among them:
+    the cover's values are released at their last forward use (with evicted readers, which it priced) and recomputed
     in backward bitwise; with fixed costs two runs decide alike."""
     import runtime_models as rm
 
