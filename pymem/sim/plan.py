@@ -16,10 +16,11 @@ reports that last step. Every step replayed must fit: the runtime raises at the 
 not, so the first replay that runs out of budget is the result.
 
 The cover depends only on the program and the budget, so its steps replay the same: each distinct
-step is replayed once (as are ``belady``'s and ``greedy``'s). (The prefetch feedback carried from step to step, swap.py's, changes only
-where values are offloaded, and there the runtime plans learned only.)
+step is replayed once, as are ``belady``'s and ``greedy``'s (the unplanned first step's). (The
+prefetch feedback carried from step to step, swap.py's, changes only where values are offloaded,
+and there the runtime plans learned only.)
 """
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -60,9 +61,9 @@ def copy_ahead(trace: Trace, sim: Simulator) -> Dict[int, Tuple[int, int]]:
 
 def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     """The step the runtime settles on with ``plan="auto"`` (``Simulator``'s keywords), with
-    ``plan_releases`` ("learned", "cover", "belady" or "greedy": how it was planned) and ``plan_steps`` (each step
-    replayed on the way: its plan, status, overhead, and the seconds it brought values back and
-    moved blocks for: the choice's measure, as the runtime's)."""
+    ``plan_releases`` ("learned", "cover", "belady" or "greedy": how it was planned) and
+    ``plan_steps`` (each step replayed on the way: its plan, status, overhead, and the seconds it
+    brought values back and moved blocks for: the choice's measure, as the runtime's)."""
     kw.pop("plan", None)
     lead: Dict[int, float] = {}  # swap.py's prefetch feedback, carried from step to step
     kw["lead"] = lead
