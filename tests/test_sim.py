@@ -434,10 +434,14 @@ def test_capture_books_attention_as_the_fused_kernel_a_gpu_runs(tmp_path):
         "    a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
         "    a.square().mean().backward()\n"
         "    opt.step()\n")
+    modes = torch._C._len_torch_function_stack()
     t = capture_script(str(script))
     names = " ".join(t.op_names)
     assert "_scaled_dot_product_efficient_attention" in names and "_softmax" not in names, names
     assert F.scaled_dot_product_attention is before
+    # The default device is restored as it was: unset, not a "cpu" device mode left on every call
+    # (it made share_memory_() pin twice in the tests after it).
+    assert torch._C._len_torch_function_stack() == modes and torch.get_default_device() == torch.device("cpu")
 
 
 def test_capture_reads_item_as_one_so_bias_corrections_do_not_divide_by_zero(tmp_path):

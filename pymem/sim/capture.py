@@ -233,10 +233,13 @@ def capture_script(path: str, argv: Optional[List[str]] = None, meta: Optional[D
         elif steps[0] == 2:
             raise _Traced()
 
+    import torch.utils._device as torch_device
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     handle = register_optimizer_step_post_hook(after_step)
-    old_argv, old_device, old_sdpa = sys.argv, torch.get_default_device(), F.scaled_dot_product_attention
+    # None when no default device was set: restoring get_default_device()'s "cpu" instead would leave a
+    # device mode on torch's function-mode stack for the rest of the process (every call through it).
+    old_argv, old_device, old_sdpa = sys.argv, torch_device.CURRENT_DEVICE, F.scaled_dot_product_attention
     sys.argv = [path, *(argv or [])]
     torch.set_default_device("meta")
     F.scaled_dot_product_attention = _gpu_attention(old_sdpa)
