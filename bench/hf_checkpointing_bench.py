@@ -14,8 +14,8 @@ CPU, "eager" on CUDA (plain matmul / softmax / dropout kernels, deterministic un
 `torch.use_deterministic_algorithms`; SDPA's fused kernels are not); --attn chooses.
 
 Configurations, each `--steps` AdamW steps of which the first `--warmup` are not timed (pymem plans
-a step from the one before, from the third step on, and tries its four ways of planning in steps 3
-to 10: `--steps 16 --warmup 10` times the way it settles on); model building is never timed:
+a step from the one before, from the third step on, and tries its five ways of planning in steps 3
+to 12: `--steps 18 --warmup 12` times the way it settles on); model building is never timed:
   - plain: unmanaged, no checkpointing (the reference peak and step time);
   - hf-checkpointing non-reentrant / reentrant: `gradient_checkpointing_enable()`, unmanaged;
   - pymem at the checkpointed peak: the plain model under `pymem.enable(budget=the non-reentrant

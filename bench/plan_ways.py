@@ -1,6 +1,6 @@
 """Which way the step plan settles on, and what each costs, with fixed op costs (no timer noise).
 
-    python bench/plan_ways.py [--models transformer,deep,cnn] [--ratios ckpt,0.5,0.3] [--steps 16]
+    python bench/plan_ways.py [--models transformer,deep,cnn] [--ratios ckpt,0.5,0.3] [--steps 18]
                               [--json FILE]
 
 For each model of bench/vs_checkpoint.py and each budget (``ckpt``: the checkpoint-every-block
@@ -61,7 +61,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="transformer,deep,cnn")
     ap.add_argument("--ratios", default="ckpt,0.5,0.3")
-    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=18)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json")
     a = ap.parse_args(argv)

@@ -1,6 +1,6 @@
 """pymem against hand-placed checkpointing at equal memory, with the step plan on and off (issue 13).
 
-    python bench/vs_checkpoint.py [--models transformer,deep,cnn] [--steps 3] [--warmup 3] [--plan-warmup 10]
+    python bench/vs_checkpoint.py [--models transformer,deep,cnn] [--steps 3] [--warmup 3] [--plan-warmup 12]
                                   [--ratios 0.5,0.3,0.2] [--json FILE] [--plot FILE.png] [--quick]
 
 For each model, in one process:
@@ -13,8 +13,8 @@ For each model, in one process:
      unmanaged blocks: checkpointing, selective checkpointing, and pymem (plan "off" and "auto") at
      the checkpointed peak, at the selective peak, and at each --ratios share of the unmanaged peak.
      pymem's blocks warm up for --plan-warmup steps: the plan needs two finished steps to follow one,
-     then tries its four ways for two steps each (steps 3 to 10: csrc/plan_choice.h) and keeps the
-     cheapest from the eleventh step on.
+     then tries its five ways for two steps each (steps 3 to 12: csrc/plan_choice.h) and keeps the
+     cheapest from the thirteenth step on.
 slowdown = median step / mean of the unmanaged medians just before and after. For pymem also the
 recompute seconds per step (`remat_seconds`, measured), evictions and compaction bytes moved per
 timed step, plan_hits, and plan_cover_steps (steps that followed the cover plan, trials included);
@@ -262,7 +262,7 @@ def main():
     ap.add_argument("--ratios", default="0.5,0.3,0.2")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--plan-warmup", type=int, default=10, help="warm-up steps of pymem's blocks")
+    ap.add_argument("--plan-warmup", type=int, default=12, help="warm-up steps of pymem's blocks")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="half the batch")
     ap.add_argument("--json")

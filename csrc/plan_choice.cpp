@@ -20,9 +20,11 @@ int PlanChoice::cheapest(int except) const {
   int best = -1;
   for (int w = 0; w < kWays; ++w)
     if (w != except && (best < 0 || latest_cost_[w] < latest_cost_[best])) best = w;
-  const int cover = at(Releases::kCover);
-  if (cover != except && latest_cost_[cover] <= latest_cost_[best] * kCoverTolerance) best = cover;
-  return best;
+  const double near = latest_cost_[best] * kCoverTolerance;
+  int cover = -1;
+  for (const Releases c : {Releases::kCover, Releases::kRebuild})
+    if (at(c) != except && latest_cost_[at(c)] <= near && (cover < 0 || latest_cost_[at(c)] < latest_cost_[cover])) cover = at(c);
+  return cover >= 0 ? cover : best;
 }
 
 void PlanChoice::measured(Releases ran, double cost) {

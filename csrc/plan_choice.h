@@ -1,10 +1,11 @@
 // plan_choice.h — how to plan the next step (step_plan.h's ways): learn early releases from the
-// greedy's, cover the step's overflow, only read next uses (Belady's scores, no early release), or
+// greedy's, cover the step's overflow (two ways: plan_cover.h), only read next uses (Belady's
+// scores, no early release), or
 // run the policy alone (greedy, as the unplanned first step), chosen from what the steps that
 // followed each way cost. The step trace asks it at every step's end; the simulator
 // (pymem/sim/plan.py) asks the same object, so a replay plans as the runtime would.
 //
-// Why four ways: none wins everywhere. Recompute seconds per step with fixed op costs
+// Why five ways: none wins everywhere. Recompute seconds per step with fixed op costs
 // (bench/plan_ways.py): at the CNN's checkpointed peak greedy 0.166, learned 0.10, the cover 0.077,
 // next uses alone 0.058; on the 4-layer TinyGPT at 0.3 of its peak greedy 0.109-0.118, next uses
 // alone 0.130, the plans with early releases 0.13-0.16 (Belady's choices bring whole chains back at
@@ -16,8 +17,8 @@
 // plan that releases out of order leaves holes that compaction pays for). Each is first tried for
 // kTrialsEach steps, in turn (a step starts from what the step before left in memory, so the second
 // of two steps run the same way measures that way; the learned plan also keeps learning from its
-// own steps); then the next step takes the cheapest by its latest measure, the cover on a tie
-// within kCoverTolerance (it frees memory in order: less compaction), and after every kProbeEvery
+// own steps); then the next step takes the cheapest by its latest measure, the cheaper cover on a
+// tie within kCoverTolerance (a cover frees memory in order: less compaction), and after every kProbeEvery
 // steps of one way, one step of another (each in turn) measures it again. A probe costs what its
 // way costs more than the cheapest (a greedy step at the CNN's checkpointed peak: 3x), so a way
 // whose probe measured over kFar times the cheapest sits out its next turns, twice as many each
@@ -35,7 +36,7 @@ namespace pymem {
 class PlanChoice {
  public:
   using Releases = StepPlan::Releases;
-  static constexpr int kWays = 4;  // Releases' values
+  static constexpr int kWays = 5;  // Releases' values
   static constexpr double kCoverTolerance = 1.05;
   static constexpr int64_t kTrialsEach = 2;  // the second, measured from a step run the same way
   static constexpr int64_t kTrialSteps = kTrialsEach * kWays;  // steps before the first choice
@@ -43,6 +44,7 @@ class PlanChoice {
   static constexpr double kFar = 1.5;
   static constexpr int64_t kMaxSitOut = 8;
 
+  PlanChoice() { reset(); }
   // Nothing measured holds any more: a new program, a step that left its plan, another budget.
   void reset();
   // A step that followed a plan made `ran`'s way, whole, cost `cost` seconds of memory work.
@@ -52,14 +54,14 @@ class PlanChoice {
 
  private:
   static int at(Releases r) { return static_cast<int>(r); }
-  int cheapest(int except = -1) const;  // by latest measure, the cover on a tie (the others: `except` left out)
-  double latest_cost_[kWays] = {0, 0, 0, 0};  // per Releases
-  int64_t measured_steps_[kWays] = {0, 0, 0, 0};
+  int cheapest(int except = -1) const;  // by latest measure, a cover on a tie (the others: `except` left out)
+  double latest_cost_[kWays] = {};  // per Releases
+  int64_t measured_steps_[kWays] = {};
   int64_t streak_ = 0;  // steps the cheapest way ran since the last probe
   int probe_ = 0;       // the way the next probe turn starts from, in turn over the others
   int probing_ = -1;    // the way the step being run probes (-1: none)
-  int64_t sit_out_[kWays] = {0, 0, 0, 0};     // probe turns a way still sits out
-  int64_t next_sit_out_[kWays] = {1, 1, 1, 1};  // turns it sits out if its next probe is far again
+  int64_t sit_out_[kWays] = {};       // probe turns a way still sits out
+  int64_t next_sit_out_[kWays] = {};  // turns it sits out if its next probe is far again (reset() sets 1)
 };
 
 }  // namespace pymem

@@ -2,23 +2,41 @@
 // guided mode: measure the step, find where it overflows the budget, pick what to recompute there).
 //
 // The live bytes of a step that releases nothing are known from its trace: a value occupies its
-// bytes from its producer to its last use (values made before the step: the whole step). Where
-// that profile is above the budget, some values must be away. A candidate is one value away
-// across one gap between two of its uses (or its producer and first use): released right after
-// the earlier op, recomputed for the later one. It frees its bytes over the gap, where they count
-// only as far as the profile overflows there; it costs its producer's work plus the work of its
-// inputs that are away (released, or dead) when it is recomputed: Capuchin's lineage, updated after
-// every pick, as is the cost of the picks already made that read it. The cover takes candidates
-// by overflow covered per second of work, greedily, until no position overflows.
+// bytes from its producer to its death (its last use, or where the program freed it; values made
+// before the step: the whole step). Where that profile is above the budget, some values must be
+// away. A candidate is one value away across one gap between two of its uses (or its producer and
+// first use; or, a tail, from its last use to its death: that one costs nothing): released right
+// after the earlier op, rerun for the later one. It frees its bytes over the gap, where they count
+// only as far as the profile overflows there. A cover takes candidates by overflow covered per
+// second of work, greedily, until no position overflows. Two covers differ in what a rerun costs:
 //
-// Greedy is lazy: a candidate's coverage only shrinks and its cost only grows as picks are made,
-// so a ratio computed earlier bounds it from above; the best candidate is re-scored and taken when
-// it still beats the next bound (a priority queue instead of a full rescan per pick).
+// cover_releases (lineage): the work of the value's producer and of every input away (released,
+// or dead) at the rerun: Capuchin's lineage, updated after every pick, as is the cost of the picks
+// already made that read it. Those inputs count as away still after the rerun; the runtime in
+// fact keeps what it rebuilt until pressure takes it.
 //
-// Only recomputable values made in the step are candidates. The profile is the program's, not the
-// runtime's (temporaries inside ops, fragmentation, a recompute's intermediates are not in it):
-// the step plan measures each way of planning on the step itself and keeps the better
-// (step_trace.h).
+// rebuild_releases (rebuild): the runtime's restore, planned. A dead input is rerun for that op
+// only; one still away is rerun and then, as the runtime keeps it, stays, its stretch cut short
+// there, where its bytes fit until it was due back; where they do not, it goes again right after
+// (an extra rerun, and a planned release at a position that does not read it). A candidate whose
+// gap holds a rerun that reads it is away until then and stays, or away across the whole gap and
+// back for each such rerun (whichever covers more per second). Its profile is then what the
+// runtime will see up to temporaries (inside ops, a rerun's dead inputs) and fragmentation.
+//
+// Neither wins everywhere (fixed op costs, bench/plan_ways.py and bench/milp_optimum.py): on the
+// MILP's 6-layer MLP at 0.6 of its peak, lineage 2.56 ms of recompute and rebuild 1.99 against
+// the optimum's 1.71 (rebuild rebuilds the chain once and keeps part of it); on a 16-layer chain
+// with room for four activations, lineage 27 and rebuild 38 (its picks, made from the longest gaps
+// first, leave each backward rerun nothing to keep); on the transformers and CNN of
+// bench/vs_checkpoint.py, within 10% of each other either way. The step plan measures each on
+// the step itself and keeps the cheapest way (plan_choice.h).
+//
+// Greedy is lazy: a candidate's ratio computed earlier is taken as an upper bound; the best is
+// re-scored and taken when it still beats the next bound (a priority queue instead of a full rescan
+// per pick). In rebuild, a rerun that keeps a value raises the overflow again where it stays:
+// candidates that covered nothing there are scored again.
+//
+// Only recomputable values made in the step are candidates.
 #pragma once
 
 #include "step_arrays.h"
@@ -30,8 +48,10 @@
 namespace pymem {
 
 // (position, value): release `value` right after the op at `position`, for the step `s` under
-// `budget` bytes. Empty where the profile never overflows.
+// `budget` bytes. Empty where the profile never overflows. cover_releases prices each comeback
+// with its lineage; rebuild_releases plans what reruns rebuild (see above).
 std::vector<std::pair<int32_t, int32_t>> cover_releases(const StepArrays& s, int64_t budget);
+std::vector<std::pair<int32_t, int32_t>> rebuild_releases(const StepArrays& s, int64_t budget);
 
 // The work of bringing values back in step `s`: its recorded comebacks, each at its producer's cost.
 double comeback_cost(const StepArrays& s);

@@ -10,7 +10,7 @@ void StepPlan::build(const StepArrays& s, Releases how, const StepArrays& learne
                      const std::vector<std::pair<int32_t, int32_t>>& cover) {
   index(s);
   how_ = how;
-  set_releases(how == Releases::kCover     ? cover
+  set_releases(covers(how)                ? cover
                : how == Releases::kLearned ? learned(learned_from)
                                            : std::vector<std::pair<int32_t, int32_t>>());
 }

@@ -23,10 +23,12 @@
 //     use before p. Nothing reads it between the two positions (the plan says so while the step
 //     follows it), so releasing earlier recomputes nothing more. It learns from the runtime's
 //     greedy choices, and keeps them.
-//   kCover: the values plan_cover.h picks from the step's live bytes and the budget, the cheapest
-//     cover of where the step overflows, whatever the greedy choices were.
+//   kCover, kRebuild: the values plan_cover.h picks from the step's live bytes and the budget, the
+//     cheapest cover of where the step overflows, whatever the greedy choices were: kCover prices
+//     each comeback with the lineage it reruns, kRebuild plans what those reruns rebuild (kept
+//     where it fits, released again right after where not).
 // A value the plan releases early may have evicted readers: kLearned leaves those to pressure
-// (it does not price the longer recompute), kCover priced them and releases them anyway.
+// (it does not price the longer recompute), the covers priced them and release them anyway.
 // Two ways release nothing early: kBelady (pressure alone releases, scored by the plan's next
 // uses) and kGreedy (the policy alone, as without a plan: StepTrace hides the next uses; the step is
 // still checked against the plan, so that it is measured as the others are). plan_choice.h chooses.
@@ -46,10 +48,11 @@ namespace pymem {
 
 class StepPlan {
  public:
-  enum class Releases { kLearned, kCover, kBelady, kGreedy };  // the ways, in the order they are tried
+  enum class Releases { kLearned, kCover, kRebuild, kBelady, kGreedy };  // the ways, in the order they are tried
+  static bool covers(Releases how) { return how == Releases::kCover || how == Releases::kRebuild; }
   // The plan for a step like `s` (empty when s has no ops). kLearned learns from `learned_from`'s
   // releases and comebacks (a step like s: s itself, or the last step that ran a kLearned plan);
-  // kCover releases `cover` (cover_releases of a step like s).
+  // the covers release `cover` (cover_releases or rebuild_releases of a step like s).
   void build(const StepArrays& s, Releases how, const StepArrays& learned_from,
              const std::vector<std::pair<int32_t, int32_t>>& cover);
   Releases releases() const { return how_; }

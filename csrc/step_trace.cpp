@@ -105,12 +105,13 @@ void events_from_dict(py::dict d, StepArrays& s, bool releases) {
                           "need one entry each per event");
 }
 
-constexpr const char* kReleasesNames[] = {"learned", "cover", "belady", "greedy"};  // by StepPlan::Releases
+constexpr const char* kReleasesNames[] = {"learned", "cover", "rebuild", "belady", "greedy"};  // by StepPlan::Releases
 
 StepPlan::Releases releases_arg(const std::string& how) {
   for (int w = 0; w < PlanChoice::kWays; ++w)
     if (how == kReleasesNames[w]) return static_cast<StepPlan::Releases>(w);
-  throw py::value_error("pymem: a step is planned 'learned', 'cover', 'belady' or 'greedy', got '" + how + "'");
+  throw py::value_error("pymem: a step is planned 'learned', 'cover', 'rebuild', 'belady' or 'greedy', got '" + how +
+                        "'");
 }
 
 const char* releases_name(StepPlan::Releases how) { return kReleasesNames[static_cast<int>(how)]; }
@@ -260,10 +261,10 @@ void StepTrace::plan_next(double moved_seconds) {
   const R ran = plan_.releases();
   if (followed) {
     choice_.measured(ran, comeback_cost(last_) + moved_seconds);
-    if (ran == R::kCover) ++num_cover_steps_;
+    if (StepPlan::covers(ran)) ++num_cover_steps_;
   } else {  // a new program (or the first step): nothing measured holds
     choice_.reset();
-    cover_fresh_ = false;
+    cover_fresh_[0] = cover_fresh_[1] = false;
   }
   if (!followed || ran == R::kLearned) {  // what kLearned learns from: the greedy's, or its own
     learned_from_.released_at = last_.released_at;
@@ -272,18 +273,19 @@ void StepTrace::plan_next(double moved_seconds) {
     learned_from_.back_value = last_.back_value;
   }
   const R how = choice_.next(budget_ > 0);
-  if (how == R::kCover && !cover_fresh_) {
-    cover_ = cover_releases(last_, budget_);
-    cover_fresh_ = true;
+  const int c = how == R::kRebuild ? 1 : 0;
+  if (StepPlan::covers(how) && !cover_fresh_[c]) {
+    cover_[c] = how == R::kRebuild ? rebuild_releases(last_, budget_) : cover_releases(last_, budget_);
+    cover_fresh_[c] = true;
   }
-  plan_.build(last_, how, learned_from_, cover_);
+  plan_.build(last_, how, learned_from_, cover_[c]);
 }
 
 void StepTrace::set_budget(int64_t bytes) {
   if (bytes == budget_) return;
   budget_ = bytes;  // what was measured and covered was for another budget
   choice_.reset();
-  cover_fresh_ = false;
+  cover_fresh_[0] = cover_fresh_[1] = false;
 }
 
 void StepTrace::set_planning(bool on) {
@@ -377,8 +379,9 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
             return py::str(releases_name(t.plan_releases()));
           },
           "How the step being followed was planned (csrc/plan_choice.h): 'learned' (early releases learned from "
-          "the runtime's), 'cover' (the cheapest cover of where the step overflows its budget), 'belady' (next uses "
-          "only), 'greedy' (the policy alone); None when not following a plan.")
+          "the runtime's), 'cover' or 'rebuild' (the cheapest cover of where the step overflows its budget, its "
+          "comebacks priced with their lineage, or with what their reruns rebuild), 'belady' (next uses only), "
+          "'greedy' (the policy alone); None when not following a plan.")
       .def_property_readonly("guided", &StepTrace::guided,
                              "Following a plan whose next uses guide releases (any way but 'greedy').")
       .def(
@@ -415,7 +418,14 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       [](py::dict step, int64_t budget) { return cover_releases(step_from_dict(step), budget); },
       py::arg("step"), py::arg("budget"),
       "The releases csrc/plan_cover.h picks for a step (a dict as last_step() gives) under `budget` bytes: "
-      "(position, value) pairs, the value released right after the op at that position.");
+      "(position, value) pairs, the value released right after the op at that position. Each comeback is priced "
+      "with the lineage it reruns.");
+  m.def(
+      "rebuild_releases",
+      [](py::dict step, int64_t budget) { return rebuild_releases(step_from_dict(step), budget); },
+      py::arg("step"), py::arg("budget"),
+      "As cover_releases, planning what each rerun rebuilds: kept where it fits until it is due, else released again "
+      "right after the rerun (a release at a position that does not read the value).");
   m.def(
       "learned_releases",
       [](py::dict step, py::dict learned_from) {
@@ -445,7 +455,7 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       "op_cost. What the step plan measures each way of planning by.");
   py::class_<PlanChoice>(m, "PlanChoice",
                          "How the step trace chooses to plan each step (csrc/plan_choice.h): 'learned', 'cover', "
-                         "'belady' or 'greedy'.")
+                         "'rebuild', 'belady' or 'greedy'.")
       .def(py::init<>())
       .def_property_readonly_static("TRIAL_STEPS", [](py::object) { return PlanChoice::kTrialSteps; },
                                     "Steps the ways are tried, in turn, before the first choice.")
@@ -459,8 +469,8 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           "next",
           [](PlanChoice& c, bool cover_allowed) { return releases_name(c.next(cover_allowed)); },
           py::arg("cover_allowed"),
-          "The way to plan the next step: 'learned', 'cover', 'belady' or 'greedy' ('learned' only where nothing may be "
-          "covered).");
+          "The way to plan the next step: 'learned', 'cover', 'rebuild', 'belady' or 'greedy' ('learned' only where "
+          "nothing may be covered).");
   m.def("op_code", &op_code, py::arg("name"), "The process-wide code of an op (its str(OpOverload)).");
   m.def("op_name", &op_name, py::arg("code"));
 }

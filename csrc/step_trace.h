@@ -123,11 +123,12 @@ class StepTrace {
   void plan_next(double moved_seconds);
   StepArrays current_, last_;
   StepPlan plan_;
-  PlanChoice choice_;  // learned, cover, belady or greedy, by what the steps that followed each cost
+  PlanChoice choice_;  // learned, cover, rebuild, belady or greedy, by what the steps that followed each cost
   int64_t budget_ = 0;
-  // The cover of the program as it runs now: computed once, kept until it changes (or the budget).
-  std::vector<std::pair<int32_t, int32_t>> cover_;
-  bool cover_fresh_ = false;
+  // The covers of the program as it runs now (kCover's, kRebuild's): each computed once, kept
+  // until it changes (or the budget).
+  std::vector<std::pair<int32_t, int32_t>> cover_[2];
+  bool cover_fresh_[2] = {false, false};
   bool planned_step_ = false;  // the current step started with a plan to follow
   StepArrays learned_from_;   // releases and comebacks of the last step no cover planned
   bool planning_ = false;

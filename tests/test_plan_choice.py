@@ -1,16 +1,16 @@
-"""How each step is planned (csrc/plan_choice.h): learned, cover, belady (next uses only) or
-greedy (the policy alone), by the memory work the steps that followed each cost; and the learned
+"""How each step is planned (csrc/plan_choice.h): learned, cover, rebuild (the covers of
+csrc/plan_cover.h), belady (next uses only) or greedy (the policy alone), by the memory work the steps that followed each cost; and the learned
 plan's releases as ``_C.learned_releases`` gives them to the simulator (csrc/step_plan.h)."""
 import pytest
 
 import pymem
 from test_plan_cover import _step
 
-WAYS = ["learned", "cover", "belady", "greedy"]
+WAYS = ["learned", "cover", "rebuild", "belady", "greedy"]
 TRIALS = [w for w in WAYS for _ in range(2)]  # each way twice, in turn
 
 
-def _choices(costs, steps=14, cover_allowed=True):
+def _choices(costs, steps=len(TRIALS) + 6, cover_allowed=True):
     """The ways PlanChoice picks over ``steps`` steps, each step measured at costs[way]."""
     c, out = pymem._C.PlanChoice(), []
     for _ in range(steps):
@@ -22,11 +22,11 @@ def _choices(costs, steps=14, cover_allowed=True):
 
 def test_each_way_is_tried_twice_then_the_cheapest_runs_with_a_probe_of_another_every_five_steps():
     assert pymem._C.PlanChoice.TRIAL_STEPS == len(TRIALS)
-    costs = {"learned": 1.2, "cover": 1.3, "belady": 1.4, "greedy": 1.0}
+    costs = {"learned": 1.2, "cover": 1.3, "rebuild": 1.35, "belady": 1.4, "greedy": 1.0}
     # The probes measure the other ways in turn (the cheapest skipped).
-    assert _choices(costs, steps=len(TRIALS) + 24) == \
-        TRIALS + ["greedy"] * 5 + ["learned"] + ["greedy"] * 5 + ["cover"] + ["greedy"] * 5 + ["belady"] + \
-        ["greedy"] * 5 + ["learned"]
+    assert _choices(costs, steps=len(TRIALS) + 30) == \
+        TRIALS + ["greedy"] * 5 + ["learned"] + ["greedy"] * 5 + ["cover"] + ["greedy"] * 5 + ["rebuild"] + \
+        ["greedy"] * 5 + ["belady"] + ["greedy"] * 5 + ["learned"]
     for cheapest in WAYS:
         costs = {w: 1.0 if w == cheapest else 1.2 for w in WAYS}
         assert _choices(costs)[len(TRIALS):len(TRIALS) + 5] == [cheapest] * 5
@@ -35,12 +35,12 @@ def test_each_way_is_tried_twice_then_the_cheapest_runs_with_a_probe_of_another_
 def test_a_way_far_behind_sits_out_probe_turns_twice_as_many_each_time():
     """A probe measuring over 1.5x the cheapest: its way sits out its next turn, then two, four,
     up to eight; one measuring near brings it back to every turn."""
-    costs = {"learned": 1.2, "cover": 1.3, "belady": 1.4, "greedy": 1.0}
-    got = _choices(dict(costs, belady=1.6), steps=len(TRIALS) + 6 * 12)[len(TRIALS):]
+    costs = {"learned": 1.2, "cover": 1.3, "rebuild": 1.3, "belady": 1.4, "greedy": 1.0}
+    got = _choices(dict(costs, belady=1.6), steps=len(TRIALS) + 6 * 15)[len(TRIALS):]
     probes = [w for i, w in enumerate(got) if i % 6 == 5]
     # belady's turns: probed (far), sits out 1, probed (far), sits out 2, probed, sits out 4 ...
-    assert probes == ["learned", "cover", "belady", "learned", "cover", "learned", "cover", "belady",
-                      "learned", "cover", "learned", "cover"]
+    assert probes == ["learned", "cover", "rebuild", "belady", "learned", "cover", "rebuild", "learned", "cover",
+                      "rebuild", "belady", "learned", "cover", "rebuild", "learned"]
     c = pymem._C.PlanChoice()
     way_costs = dict(costs, belady=1.6)
     seen = []
@@ -51,18 +51,18 @@ def test_a_way_far_behind_sits_out_probe_turns_twice_as_many_each_time():
         seen.append(how)
         c.measured(how, way_costs[how])
     tail = [w for i, w in enumerate(seen[len(TRIALS):]) if i % 6 == 5]
-    assert tail[:6] == ["learned", "cover", "belady", "learned", "cover", "belady"]
+    assert tail[:8] == ["learned", "cover", "rebuild", "belady", "learned", "cover", "rebuild", "belady"]
 
 
 def test_every_other_way_sitting_out_leaves_the_cheapest_running():
-    costs = {"learned": 3.0, "cover": 3.0, "belady": 3.0, "greedy": 1.0}
-    got = _choices(costs, steps=len(TRIALS) + 24)[len(TRIALS):]
-    assert got == ["greedy"] * 5 + ["learned"] + ["greedy"] * 5 + ["cover"] + ["greedy"] * 5 + ["belady"] + \
-        ["greedy"] * 6  # each sits its next turn out: no probe
+    costs = {"learned": 3.0, "cover": 3.0, "rebuild": 3.0, "belady": 3.0, "greedy": 1.0}
+    got = _choices(costs, steps=len(TRIALS) + 30)[len(TRIALS):]
+    assert got == ["greedy"] * 5 + ["learned"] + ["greedy"] * 5 + ["cover"] + ["greedy"] * 5 + ["rebuild"] + \
+        ["greedy"] * 5 + ["belady"] + ["greedy"] * 6  # each sits its next turn out: no probe
 
 
 def test_a_probe_that_measures_cheaper_takes_over():
-    c, costs = pymem._C.PlanChoice(), {"learned": 2.0, "cover": 3.0, "belady": 4.0, "greedy": 1.0}
+    c, costs = pymem._C.PlanChoice(), {"learned": 2.0, "cover": 3.0, "rebuild": 3.0, "belady": 4.0, "greedy": 1.0}
     for _ in range(len(TRIALS) + 5):
         how = c.next(True)
         c.measured(how, costs[how])
@@ -72,15 +72,24 @@ def test_a_probe_that_measures_cheaper_takes_over():
     assert c.next(True) == "learned"
 
 
-def test_a_tie_within_five_percent_of_the_cheapest_goes_to_the_cover():
+def test_a_tie_within_five_percent_of_the_cheapest_goes_to_the_cheaper_cover():
     n = len(TRIALS)
-    assert _choices({"learned": 1.0, "cover": 1.05, "belady": 2.0, "greedy": 2.0}, steps=n + 2)[n:] == ["cover"] * 2
-    assert _choices({"learned": 1.0, "cover": 1.06, "belady": 2.0, "greedy": 2.0}, steps=n + 2)[n:] == ["learned"] * 2
-    assert _choices({"learned": 2.0, "cover": 1.04, "belady": 2.0, "greedy": 1.0}, steps=n + 2)[n:] == ["cover"] * 2
+
+    def settled(**costs):
+        return _choices(dict({"learned": 2.0, "cover": 2.0, "rebuild": 2.0, "belady": 2.0, "greedy": 2.0}, **costs),
+                        steps=n + 2)[n:]
+
+    assert settled(learned=1.0, cover=1.05) == ["cover"] * 2
+    assert settled(learned=1.0, cover=1.06) == ["learned"] * 2
+    assert settled(greedy=1.0, cover=1.04) == ["cover"] * 2
+    assert settled(learned=1.0, rebuild=1.05) == ["rebuild"] * 2
+    assert settled(learned=1.0, cover=1.04, rebuild=1.02) == ["rebuild"] * 2
+    assert settled(cover=1.0, rebuild=1.02) == ["cover"] * 2
 
 
 def test_without_a_budget_to_cover_every_step_is_learned():
-    assert _choices({"learned": 9.0, "cover": 1.0, "belady": 1.0, "greedy": 1.0}, cover_allowed=False) == ["learned"] * 14
+    assert _choices({"learned": 9.0, "cover": 1.0, "rebuild": 1.0, "belady": 1.0, "greedy": 1.0},
+                    cover_allowed=False) == ["learned"] * (len(TRIALS) + 6)
 
 
 def test_reset_starts_the_trials_over():
@@ -92,7 +101,7 @@ def test_reset_starts_the_trials_over():
 
 
 def test_a_bad_way_is_a_clear_error():
-    with pytest.raises(ValueError, match="'learned', 'cover', 'belady' or 'greedy', got 'fastest'"):
+    with pytest.raises(ValueError, match="'learned', 'cover', 'rebuild', 'belady' or 'greedy', got 'fastest'"):
         pymem._C.PlanChoice().measured("fastest", 1.0)
 
 
@@ -124,8 +133,8 @@ def test_comeback_cost_prices_each_comeback_at_its_producer():
 
 
 def test_every_way_trains_bitwise_in_budget_and_only_the_plans_release_early(managed):
-    """A run through the trials and past them: each of the four ways plans some step; the learned
-    plan and the cover release early, belady and greedy do not, and greedy leaves pressure to the
+    """A run through the trials and past them: each of the five ways plans some step; the learned
+    plan and the covers release early, belady and greedy do not, and greedy leaves pressure to the
     policy alone (no release is chosen by the plan's next uses); training stays bitwise."""
     import runtime_models as rm
     from bitwise_harness import assert_bitwise_equal, budget_at, measure_peak, run_unmanaged, state_of
@@ -149,7 +158,7 @@ def test_every_way_trains_bitwise_in_budget_and_only_the_plans_release_early(man
     assert_bitwise_equal("losses", ref_out, outs)
     assert_bitwise_equal("parameters", ref_state, state)
     assert set(WAYS) <= set(seen), seen
-    assert any(d["num_planned_releases"] > 0 for w in ("learned", "cover") for d in seen[w]), seen
+    assert any(d["num_planned_releases"] > 0 for w in ("learned", "cover", "rebuild") for d in seen[w]), seen
     for w in ("belady", "greedy"):
         assert all(d["num_planned_releases"] == 0 for d in seen[w]), seen
         assert all(d["num_evictions"] > 0 for d in seen[w]), seen  # under pressure all the same

@@ -1,6 +1,7 @@
-"""The overflow cover (csrc/plan_cover.h): from a step's trace and the budget, the cheapest values
-to keep away where the step's live bytes overflow; and the step plan that tries it against the
-learned plan and keeps the cheaper (csrc/step_trace.h)."""
+"""The overflow covers (csrc/plan_cover.h): from a step's trace and the budget, the cheapest values
+to keep away where the step's live bytes overflow, each comeback priced with its lineage
+(cover_releases) or with what its rerun rebuilds (rebuild_releases); and the step plan that tries
+them against the other ways and keeps the cheapest (csrc/step_trace.h)."""
 import pytest
 import torch
 
@@ -32,51 +33,76 @@ def _step(ops, before=1, nbytes=KB):
     return s
 
 
-def test_the_cover_keeps_the_cheapest_value_away_where_the_step_overflows():
+COVERS = [pymem._C.cover_releases, pymem._C.rebuild_releases]
+
+
+@pytest.mark.parametrize("cover", COVERS, ids=["lineage", "rebuild"])
+def test_the_cover_keeps_the_cheapest_value_away_where_the_step_overflows(cover):
     # x (0) before the step; a = f(x) (1), b = g(a) (2), c = h(b) (3), d = k(c) (4), e = m(a, b, d) (5).
     # Live at op 3: x, a, b, c, d (5 KB); a budget of 4 KB needs a or b away across op 3.
     s = _step([(1, [0]), (10, [1]), (1, [2]), (1, [3]), (1, [1, 2, 4])])
-    assert pymem._C.cover_releases(s, 4 * KB) == [(1, 1)]  # a (cost 1), not b (10), after its read by op 1
-    assert pymem._C.cover_releases(s, 5 * KB) == []         # never over
+    assert cover(s, 4 * KB) == [(1, 1)]  # a (cost 1), not b (10), after its read by op 1
+    assert cover(s, 5 * KB) == []         # never over
 
 
-def test_the_cover_prices_the_inputs_a_recompute_must_redo():
+@pytest.mark.parametrize("cover", COVERS, ids=["lineage", "rebuild"])
+def test_the_cover_prices_the_inputs_a_recompute_must_redo(cover):
     # w = f(x) (1) is read once; a = g(w) (2); b = h(a) (3, cost 3); c = k(x) (4); r = m(a, b, c) (5).
     # Live at op 3: x, a, b, c (w is dead); under 3 KB, a or b is away from op 2 to op 4, and
     # recomputing a for op 4 redoes w too.
     def step(w_cost):
         return _step([(w_cost, [0]), (1, [1]), (3, [2]), (1, [0]), (1, [2, 3, 4])])
 
-    assert pymem._C.cover_releases(step(1), 3 * KB) == [(2, 2)]  # a: 1 + w's 1 < b's 3
-    assert pymem._C.cover_releases(step(5), 3 * KB) == [(2, 3)]  # b: 3 < a's 1 + w's 5
+    assert cover(step(1), 3 * KB) == [(2, 2)]  # a: 1 + w's 1 < b's 3
+    assert cover(step(5), 3 * KB) == [(2, 3)]  # b: 3 < a's 1 + w's 5
 
 
-def test_a_value_held_past_its_last_use_counts_until_it_dies_and_goes_after_that_use_for_free():
+@pytest.mark.parametrize("cover", COVERS, ids=["lineage", "rebuild"])
+def test_a_value_held_past_its_last_use_counts_until_it_dies_and_goes_after_that_use_for_free(cover):
     # x (0); a = f(x) (1, read once, by op 1); b = g(a) (2); c = h(b) (3); d = k(c) (4); e = m(b, d) (5).
     # By last uses the step peaks at 4 KB; the program holds a until op 3 (autograd frees a saved
     # tensor when its node ends, a user keeps a reference): then op 3 holds 5 KB.
     s = _step([(1, [0]), (1, [1]), (1, [2]), (1, [3]), (1, [2, 4])])
-    assert pymem._C.cover_releases(s, 4 * KB) == []
+    assert cover(s, 4 * KB) == []
     held = dict(s, value_free_at=[-1, 3, 4, 3, 4, -1])
     # a goes right after its last read (op 1): nothing reads it again, so it costs no recompute.
-    assert pymem._C.cover_releases(held, 4 * KB) == [(1, 1)]
-    assert pymem._C.cover_releases(held, 5 * KB) == []
+    assert cover(held, 4 * KB) == [(1, 1)]
+    assert cover(held, 5 * KB) == []
 
 
-def test_bad_step_arrays_are_a_clear_error():
+def test_rebuild_keeps_what_a_rerun_rebuilds_where_it_fits_and_releases_it_again_where_not():
+    # x (0); forward a1 = f(x) (1), a2 = f(a1) (2), a3 = f(a2) (3), l = f(a3) (4); backward
+    # g3 = f(l, a3) (5), g2 = f(g3, a2) (6, 0 bytes), h = f(g2) (7), h2 = f(h) (8, 0 bytes),
+    # g1 = f(h2, a1) (9, 0 bytes). Under 4 KB, a1 goes after op 1 (back for op 8) and a2 after op 2
+    # (back for op 5); a2's rerun there rebuilds a1.
+    def step(h_bytes):
+        s = _step([(1, [0]), (1, [1]), (1, [2]), (1, [3]), (1, [4, 3]), (1, [5, 2]), (1, [6]), (1, [7]), (1, [8, 1])])
+        s["value_bytes"][6:10] = [0, h_bytes, 0, 0]
+        return s
+
+    # h of 2 KB leaves room: a1 stays from op 5 until g1 reads it, one rerun each.
+    assert pymem._C.rebuild_releases(step(2 * KB), 4 * KB) == [(1, 1), (2, 2)]
+    # h of 3 KB does not: a1 goes again right after op 5 (which does not read it) and comes back for op 8.
+    assert pymem._C.rebuild_releases(step(3 * KB), 4 * KB) == [(1, 1), (2, 2), (5, 1)]
+    # The lineage cover counts a1 away from op 1 to op 8 either way, and leaves the rest to the runtime.
+    assert pymem._C.cover_releases(step(3 * KB), 4 * KB) == [(1, 1), (2, 2)]
+
+
+@pytest.mark.parametrize("cover", COVERS, ids=["lineage", "rebuild"])
+def test_bad_step_arrays_are_a_clear_error(cover):
     s = _step([(1, [0]), (1, [1])])
     s["inputs"][0] = 7
     with pytest.raises(ValueError, match=r"bad step arrays: inputs and outputs must be value indices"):
-        pymem._C.cover_releases(s, KB)
+        cover(s, KB)
     s = _step([(1, [0])])
     s["op_cost"].append(1.0)
     with pytest.raises(ValueError, match=r"bad step arrays: op_cost needs one entry per op"):
-        pymem._C.cover_releases(s, KB)
+        cover(s, KB)
     s = _step([(1, [0])])
     with pytest.raises(ValueError, match=r"value_free_at, when given, needs one entry per value"):
-        pymem._C.cover_releases(dict(s, value_free_at=[-1]), KB)
+        cover(dict(s, value_free_at=[-1]), KB)
     with pytest.raises(ValueError, match=r"value_free_at must be an op position or -1"):
-        pymem._C.cover_releases(dict(s, value_free_at=[-1, 1]), KB)
+        cover(dict(s, value_free_at=[-1, 1]), KB)
 
 
 def test_a_cover_plan_trains_bitwise_equal_in_budget_and_repeats(managed):
@@ -107,21 +133,23 @@ def test_offloading_keeps_the_learned_plan(managed):
 
 
 def test_a_cover_step_releases_the_covers_picks_where_it_planned_them(managed):
-    """In a step that follows a cover plan, the values the cover picked leave memory right after
-    the op it planned (the trace lists each release at the position after that op)."""
+    """In a step that follows a cover plan (either cover), the values it picked leave memory right
+    after the op it planned (the trace lists each release at the position after that op)."""
     import runtime_models as rm
 
     budget = budget_at(measure_peak(lambda: rm.trainer("gpt"), 2), 0.5)
     rt = pymem.enable(budget=budget, device="cpu", cost=FIXED, plan="auto")
     step = rm.trainer("gpt")
-    checked = 0
-    for _ in range(8):
-        covering = rt.trace.plan_releases == "cover"
-        picks = pymem._C.cover_releases(rt.trace.last_step(), rt.trace.budget) if covering else []
+    checked = {}
+    for _ in range(pymem._C.PlanChoice.TRIAL_STEPS + 2):
+        way = rt.trace.plan_releases
+        covering = way in ("cover", "rebuild")
+        cover = pymem._C.cover_releases if way == "cover" else pymem._C.rebuild_releases
+        picks = cover(rt.trace.last_step(), rt.trace.budget) if covering else []
         step()
         if covering:
             s = rt.trace.last_step()
             released = set(zip(s["released_at"].tolist(), s["released_value"].tolist()))
-            assert picks and {(at + 1, v) for at, v in picks} <= released
-            checked += 1
-    assert checked >= 2
+            assert picks and {(at + 1, v) for at, v in picks} <= released, (way, picks, released)
+            checked[way] = checked.get(way, 0) + 1
+    assert checked == {"cover": 2, "rebuild": 2}

@@ -1,21 +1,22 @@
 """The step plan in a replay: the steps the runtime runs before its plan settles.
 
 The runtime plans each step from the one before it (csrc/step_trace.h). Its first step runs
-unplanned (the policy alone). Every later step follows a plan made one of four ways, which
+unplanned (the policy alone). Every later step follows a plan made one of five ways, which
 csrc/plan_choice.h chooses by what the steps that followed each way brought back:
 ``learned`` (the releases of the step before, made right after their last use: csrc/step_plan.h),
-``cover`` (the cheapest cover of where the step overflows its budget: csrc/plan_cover.h),
+``cover`` and ``rebuild`` (the cheapest cover of where the step overflows its budget, each
+comeback priced with its lineage, or with what its rerun rebuilds: csrc/plan_cover.h),
 ``belady`` (no early release; pressure scored by the plan's next uses) or ``greedy`` (the
 policy alone, as the first step).
 
 A replay is one step, so ``replay_planned`` replays the runtime's sequence of steps with the same
-C++ (``_C.learned_releases``, ``_C.cover_releases``, ``_C.PlanChoice``; the runtime's measure: the
-op costs of what came back plus the compactions' moves): the unplanned step, each
+C++ (``_C.learned_releases``, ``_C.cover_releases``, ``_C.rebuild_releases``, ``_C.PlanChoice``; the
+runtime's measure: the op costs of what came back plus the compactions' moves): the unplanned step, each
 way's trial steps, then the step the choice settles on, which the runtime then repeats. It
 reports that last step. Every step replayed must fit: the runtime raises at the first that does
 not, so the first replay that runs out of budget is the result.
 
-The cover depends only on the program and the budget, so its steps replay the same: each distinct
+The covers depend only on the program and the budget, so their steps replay the same: each distinct
 step is replayed once, as are ``belady``'s and ``greedy``'s (the unplanned first step's). (The
 prefetch feedback carried from step to step, swap.py's, changes only where values are offloaded,
 and there the runtime plans learned only.)
@@ -61,7 +62,7 @@ def copy_ahead(trace: Trace, sim: Simulator) -> Dict[int, Tuple[int, int]]:
 
 def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     """The step the runtime settles on with ``plan="auto"`` (``Simulator``'s keywords), with
-    ``plan_releases`` ("learned", "cover", "belady" or "greedy": how it was planned) and
+    ``plan_releases`` ("learned", "cover", "rebuild", "belady" or "greedy": how it was planned) and
     ``plan_steps`` (each step replayed on the way: its plan, status, overhead, and the seconds it
     brought values back and moved blocks for: the choice's measure, as the runtime's)."""
     kw.pop("plan", None)
@@ -88,8 +89,9 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     fixed: Dict[str, Tuple[Dict, Dict, Dict]] = {"greedy": (out, learned_from, dict(summary, plan="greedy"))}
 
     def simulator(how: str) -> Simulator:
-        if how == "cover":
-            return Simulator(trace, budget, plan="auto", releases=_C.cover_releases(step, budget),
+        if how in ("cover", "rebuild"):
+            releases = (_C.cover_releases if how == "cover" else _C.rebuild_releases)(step, budget)
+            return Simulator(trace, budget, plan="auto", releases=releases,
                              releases_chains=True, **kw)
         return Simulator(trace, budget, plan="auto", **kw)  # belady: next uses, no early release
 
