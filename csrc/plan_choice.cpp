@@ -20,10 +20,12 @@ int PlanChoice::cheapest(int except) const {
   int best = -1;
   for (int w = 0; w < kWays; ++w)
     if (w != except && (best < 0 || latest_cost_[w] < latest_cost_[best])) best = w;
-  const double near = latest_cost_[best] * kCoverTolerance;
+  const double near = latest_cost_[best] * kCoverTolerance;  // a cover within it wins (the cheaper one)
   int cover = -1;
-  for (const Releases c : {Releases::kCover, Releases::kRebuild})
-    if (at(c) != except && latest_cost_[at(c)] <= near && (cover < 0 || latest_cost_[at(c)] < latest_cost_[cover])) cover = at(c);
+  for (const Releases r : {Releases::kCover, Releases::kRebuild}) {
+    const int c = at(r);
+    if (c != except && latest_cost_[c] <= near && (cover < 0 || latest_cost_[c] < latest_cost_[cover])) cover = c;
+  }
   return cover >= 0 ? cover : best;
 }
 

@@ -1,6 +1,7 @@
 """How each step is planned (csrc/plan_choice.h): learned, cover, rebuild (the covers of
-csrc/plan_cover.h), belady (next uses only) or greedy (the policy alone), by the memory work the steps that followed each cost; and the learned
-plan's releases as ``_C.learned_releases`` gives them to the simulator (csrc/step_plan.h)."""
+csrc/plan_cover.h), belady (next uses only) or greedy (the policy alone), by the memory work the
+steps that followed each cost; and the learned plan's releases as ``_C.learned_releases`` gives
+them to the simulator (csrc/step_plan.h)."""
 import pytest
 
 import pymem
