@@ -384,6 +384,9 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
           "'greedy' (the policy alone); None when not following a plan.")
       .def_property_readonly("guided", &StepTrace::guided,
                              "Following a plan whose next uses guide releases (any way but 'greedy').")
+      .def_property_readonly("covering", &StepTrace::covering,
+                             "Following a cover's plan ('cover' or 'rebuild'): its early releases priced the "
+                             "recomputes of their evicted readers.")
       .def(
           "seconds_to_next_use",
           [](const StepTrace& t, py::handle record) -> py::object {

@@ -71,6 +71,8 @@ class StepTrace {
   bool following() const { return following_; }       // the step so far is the plan's
   // Following a plan whose next uses guide releases (all ways but kGreedy): what the next three read.
   bool guided() const { return following_ && plan_.releases() != StepPlan::Releases::kGreedy; }
+  // Following a cover's plan (either): its early releases priced their evicted readers' recomputes.
+  bool covering() const { return following_ && StepPlan::covers(plan_.releases()); }
   int64_t num_divergences() const { return num_divergences_; }  // steps that left their plan
   int64_t num_cover_steps() const { return num_cover_steps_; }  // steps that followed a cover plan whole
   // Planned seconds until r's value is next read in this step (+infinity: not again in this step);

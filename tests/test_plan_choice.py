@@ -148,6 +148,7 @@ def test_every_way_trains_bitwise_in_budget_and_only_the_plans_release_early(man
     step, outs, seen = rm.trainer("gpt"), [], {}
     for _ in range(steps):
         way = rt.trace.plan_releases
+        assert rt.trace.covering == (way in ("cover", "rebuild"))  # evicted readers priced: released anyway
         before = pymem.memory_stats()
         outs.append(step())
         after = pymem.memory_stats()

@@ -648,7 +648,7 @@ class Runtime(_C.RuntimeBase):
         # A learned plan does not price a longer recompute for evicted readers; a cover did.
         return r.recipe is not None and r.locks == 0 and r.waits == 0 and not r.pins and r.in_arena and \
             self.residency.is_available(r) and r not in self.cache and \
-            (self.trace.plan_releases in ("cover", "rebuild") or next(r.evicted_readers(), None) is None)
+            (self.trace.covering or next(r.evicted_readers(), None) is None)
 
     def _kernel(self, func, args, kwargs):
         """The op itself, with the runtime's lock released so that other threads' ops proceed. Its

@@ -31,6 +31,9 @@ from .trace import Trace
 
 
 
+COVERS = {"cover": _C.cover_releases, "rebuild": _C.rebuild_releases}  # the ways that cover, by name
+
+
 def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
     """The trace as the runtime's step arrays (csrc/step_trace.h), priced by ``seconds``; with its
     values' deaths where they were observed (a capture's; a step the runtime recorded has none)."""
@@ -89,9 +92,8 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     fixed: Dict[str, Tuple[Dict, Dict, Dict]] = {"greedy": (out, learned_from, dict(summary, plan="greedy"))}
 
     def simulator(how: str) -> Simulator:
-        if how in ("cover", "rebuild"):
-            releases = (_C.cover_releases if how == "cover" else _C.rebuild_releases)(step, budget)
-            return Simulator(trace, budget, plan="auto", releases=releases,
+        if how in COVERS:
+            return Simulator(trace, budget, plan="auto", releases=COVERS[how](step, budget),
                              releases_chains=True, **kw)
         return Simulator(trace, budget, plan="auto", **kw)  # belady: next uses, no early release
 
