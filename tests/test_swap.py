@@ -538,6 +538,32 @@ def test_a_release_waits_for_the_copy_out_ahead_and_copies_nothing_more():
         pymem.disable()
 
 
+def test_an_eviction_waits_for_the_copy_out_ahead_reading_its_value():
+    """A value released while its copy out ahead has not run yet (the step before offloaded its
+    counterpart), where the director would evict it: the release waits for that copy, which must not
+    read a freed buffer (it did: a segfault on the copy worker); with the host copy made, it is an
+    offload, and the value comes back byte-exact by it."""
+    rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)
+    try:
+        x = torch.arange(MiB // 4, dtype=torch.float32).requires_grad_()
+        y = x * 3
+        r = rt.table[pymem._C.storage_key(y)]
+        go = threading.Event()
+        _gate_copies_out(rt, go)
+        rt.swap.copy_ahead(r, 0)
+        rt.swap.wants_offload = lambda rec: False  # the director would recompute it
+        threading.Timer(0.2, go.set).start()
+        pymem.evict(y)
+        assert r not in rt.swap.out_flight and r.host is not None
+        s = pymem.memory_stats()
+        assert s["num_copies_ahead"] == 1 and s["offload_copied_bytes"] == MiB
+        assert s["num_offloads"] == 1 and s["num_evictions"] == 0
+        assert torch.equal(y, torch.arange(MiB // 4, dtype=torch.float32) * 3)
+        assert pymem.memory_stats()["num_rematerializations"] == 0  # back by its host copy
+    finally:
+        pymem.disable()
+
+
 def test_a_block_being_copied_out_ahead_is_not_moved():
     """Compaction slides blocks; one a copy out ahead still reads stays where it is."""
     rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)

@@ -55,13 +55,16 @@ class Residency:
         return True
 
     def release(self, r: Record) -> None:
-        """Free one value's buffer now: offloaded (a host copy brings it back) if the director says
-        so, else evicted (it stays recomputable). A leaf is always offloaded (it has no recipe)."""
+        """Free one value's buffer now: offloaded (a host copy brings it back) if it has a host copy
+        already or the director says so, else evicted (it stays recomputable). A leaf is always
+        offloaded (it has no recipe)."""
         cached = self.cache.get(r)
         s = cached[0] if cached is not None else r.sref
         if self.plan is not None:
             self.plan.note_release(r)  # the next step's plan releases it early (csrc/step_plan.h)
         swap = self.swap
+        if swap is not None and r in swap.out_flight:
+            swap.settle_out_before_release(r)  # however r goes: that copy reads its buffer
         if r.recipe is None:
             if swap is None or not swap.copy_out(r, s):
                 raise OutOfBudgetError(
@@ -69,7 +72,9 @@ class Residency:
                     f"room: {swap.host.describe() if swap is not None else 'offloading is off'}. Raise host_budget.")
             offload = True
         else:
-            offload = swap is not None and swap.wants_offload(r) and swap.copy_out(r, s)
+            # A host copy already made (an earlier offload, a copy out ahead) brings it back, whatever
+            # the director would say of a new one: an offload that copies nothing.
+            offload = swap is not None and (r.host is not None or swap.wants_offload(r)) and swap.copy_out(r, s)
         history = self.backend.history()
         if history is not None:
             history.label_next_free(s.data_ptr, f"pymem {'offload' if offload else 'evict'} {r.op}")

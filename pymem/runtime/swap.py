@@ -443,12 +443,6 @@ class Swapper:
         host pool's cap leaves no room: the caller evicts instead (a leaf is released only after
         the pool said it fits, residency.releasable)."""
         self.rt.trace.note_offload(r)  # its counterpart in the steps to come is copied out ahead
-        if r in self.out_flight:  # copied out ahead: what is left of that copy
-            t0 = _perf()
-            # The copy's view may be all that holds the storage now (the program freed it): kept
-            # until the next op, so that the release finds it alive.
-            self.kept.append(self.finish_out(r))
-            self.seconds += _perf() - t0
         if r.host is None:
             t0 = _perf()
             with own_work():  # not ops of the program (pymem.evict runs under the mode)
@@ -497,6 +491,15 @@ class Swapper:
             self.out_bytes += r.nbytes
             self.num_copies_ahead += 1
             self.copied_ahead_bytes += r.nbytes
+
+    def settle_out_before_release(self, r: Record) -> None:
+        """r is being released (offloaded or evicted) while its copy out ahead runs, or waits for the
+        worker on the CPU: the copy reads the buffer about to be freed, so it completes first, and
+        r keeps its host copy. The copy's view may be all that holds the storage now (the program
+        freed it): kept until the next op, so that the release finds it alive."""
+        t0 = _perf()
+        self.kept.append(self.finish_out(r))
+        self.seconds += _perf() - t0
 
     def finish_out(self, r: Record) -> torch.Tensor:
         """r's copy out ahead is complete before what follows (the compute stream waits for it on

@@ -16,8 +16,9 @@ simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, 
   block that may move, its inputs included, slides together (runtime.run_again);
 - under pressure the handler releases the lowest-scoring value one at a time while the bytes
   released for the request fall short of it, and compacts once they do not (Coop's window search
-  for ``coop``); a released value is offloaded when the director says so (leaves are only ever
-  offloaded, and only when offloading is on), evicted otherwise;
+  for ``coop``); a released value is offloaded when it has a host copy already (an earlier
+  offload's, a copy out ahead's) or the director says so (leaves are only ever offloaded, and only
+  when offloading is on), evicted otherwise;
 - costs: an op's seconds from the GPU cost model (``launch + max(flops / rate, bytes /
   bandwidth)``, pymem.gpus) or as the trace recorded them; a copy out is exposed (it completes
   before its buffer is reused; made on the compute stream, it shares the link with the copies out
@@ -307,7 +308,7 @@ class Simulator:
         if v.ready_at:  # copied back ahead of use, released again before it: that copy was for nothing
             self.in_flight.pop(v.index, None)
             v.ready_at = 0.0
-        if not v.recipe or (not v.dead and self.director.evaluate(v, self.clock)):
+        if not v.recipe or (not v.dead and (v.host or self.director.evaluate(v, self.clock))):
             self._copied_out(v)
             self.offloaded_at.setdefault(v.index, self.position if at is None else at)
             v.state = OFFLOADED
