@@ -564,6 +564,25 @@ def test_an_eviction_waits_for_the_copy_out_ahead_reading_its_value():
         pymem.disable()
 
 
+def test_a_storage_resize_waits_for_the_copy_out_ahead_reading_its_bytes():
+    """``UntypedStorage.resize_`` frees the bytes a copy out ahead may not have read yet: the
+    resize waits for the copy, so the host copy holds the value the recipes that read it knew."""
+    rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)
+    try:
+        x = torch.arange(MiB // 4, dtype=torch.float32).requires_grad_()
+        y = x * 3
+        r = rt.table[pymem._C.storage_key(y)]
+        go = threading.Event()
+        _gate_copies_out(rt, go)
+        rt.swap.copy_ahead(r, 0)
+        threading.Timer(0.2, go.set).start()
+        y.untyped_storage().resize_(0)
+        assert r not in rt.swap.out_flight and r.host is not None
+        assert torch.equal(r.host.view(torch.float32), torch.arange(MiB // 4, dtype=torch.float32) * 3)
+    finally:
+        pymem.disable()
+
+
 def test_a_block_being_copied_out_ahead_is_not_moved():
     """Compaction slides blocks; one a copy out ahead still reads stays where it is."""
     rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)

@@ -292,6 +292,8 @@ class Runtime(_C.RuntimeBase):
         if r is None or nbytes == storage.nbytes():
             return
         with _interception.own_work():  # pymem's own work, not ops of the program
+            if self.swap is not None and r in self.swap.out_flight:
+                self.swap.finish_out(r)  # its copy out ahead reads the bytes resize_ frees
             if r.evicted and nbytes:  # resize_ keeps the bytes that fit: bring them back first
                 remat.restore(self, [r])
             del self.table[key]
