@@ -514,50 +514,38 @@ def test_a_write_in_place_waits_for_the_copy_out_ahead_of_its_value(recipe):
         pymem.disable()
 
 
-def test_a_release_waits_for_the_copy_out_ahead_and_copies_nothing_more():
-    """Released while its copy out ahead runs: the release waits for that copy (no second one),
-    and the value comes back byte-exact from it."""
+def _copy_out_ahead_held(rt):
+    """A 1 MiB value whose copy out ahead is started but reads its source only 0.2 s from now (on
+    the CPU a copy may not have begun when the value is released): (tensor, record)."""
+    x = torch.arange(MiB // 4, dtype=torch.float32).requires_grad_()
+    y = x * 3
+    r = rt.table[pymem._C.storage_key(y)]
+    go = threading.Event()
+    _gate_copies_out(rt, go)
+    rt.swap.copy_ahead(r, 0)
+    threading.Timer(0.2, go.set).start()
+    return y, r
+
+
+@pytest.mark.parametrize("director_offloads", [True, False])
+def test_a_release_waits_for_the_copy_out_ahead_and_copies_nothing_more(director_offloads):
+    """Released while its copy out ahead runs, or has not begun: the release waits for that copy
+    (no second one), and the value comes back byte-exact from it. Where the director would evict
+    it, the copy must still be waited for (it was not: the worker then copied from the freed
+    storage, a segfault); with the host copy made, the release is an offload."""
     rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)
     try:
-        x = torch.arange(MiB // 4, dtype=torch.float32).requires_grad_()
-        y = x * 3
-        r = rt.table[pymem._C.storage_key(y)]
-        go = threading.Event()
-        _gate_copies_out(rt, go)
-        rt.swap.copy_ahead(r, 0)
         copied = pymem.memory_stats()["offload_copied_bytes"]
-        threading.Timer(0.2, go.set).start()
-        pymem.evict(y)  # offloaded: by the copy started ahead
-        s = pymem.memory_stats()
-        assert s["num_offloads"] == 1 and s["num_copies_ahead"] == 1 and s["copied_ahead_bytes"] == MiB
-        assert s["offload_copied_bytes"] - copied == MiB  # the copy ahead's bytes, once
-        assert s["offload_copy_timed_bytes"] == MiB  # no copy in the calling thread
-        assert torch.equal(y, torch.arange(MiB // 4, dtype=torch.float32) * 3)
-        assert s["num_rematerializations"] == 0
-    finally:
-        pymem.disable()
-
-
-def test_an_eviction_waits_for_the_copy_out_ahead_reading_its_value():
-    """A value released while its copy out ahead has not run yet (the step before offloaded its
-    counterpart), where the director would evict it: the release waits for that copy, which must not
-    read a freed buffer (it did: a segfault on the copy worker); with the host copy made, it is an
-    offload, and the value comes back byte-exact by it."""
-    rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)
-    try:
-        x = torch.arange(MiB // 4, dtype=torch.float32).requires_grad_()
-        y = x * 3
-        r = rt.table[pymem._C.storage_key(y)]
-        go = threading.Event()
-        _gate_copies_out(rt, go)
-        rt.swap.copy_ahead(r, 0)
-        rt.swap.wants_offload = lambda rec: False  # the director would recompute it
-        threading.Timer(0.2, go.set).start()
+        y, r = _copy_out_ahead_held(rt)
+        if not director_offloads:
+            rt.swap.wants_offload = lambda rec: False
         pymem.evict(y)
         assert r not in rt.swap.out_flight and r.host is not None
         s = pymem.memory_stats()
-        assert s["num_copies_ahead"] == 1 and s["offload_copied_bytes"] == MiB
         assert s["num_offloads"] == 1 and s["num_evictions"] == 0
+        assert s["num_copies_ahead"] == 1 and s["copied_ahead_bytes"] == MiB
+        assert s["offload_copied_bytes"] - copied == MiB  # the copy ahead's bytes, once
+        assert s["offload_copy_timed_bytes"] == MiB  # no copy in the calling thread
         assert torch.equal(y, torch.arange(MiB // 4, dtype=torch.float32) * 3)
         assert pymem.memory_stats()["num_rematerializations"] == 0  # back by its host copy
     finally:
@@ -569,13 +557,7 @@ def test_a_storage_resize_waits_for_the_copy_out_ahead_reading_its_bytes():
     resize waits for the copy, so the host copy holds the value the recipes that read it knew."""
     rt = pymem.enable(64 * MiB, device="cpu", offload="always", prefetch=False)
     try:
-        x = torch.arange(MiB // 4, dtype=torch.float32).requires_grad_()
-        y = x * 3
-        r = rt.table[pymem._C.storage_key(y)]
-        go = threading.Event()
-        _gate_copies_out(rt, go)
-        rt.swap.copy_ahead(r, 0)
-        threading.Timer(0.2, go.set).start()
+        y, r = _copy_out_ahead_held(rt)
         y.untyped_storage().resize_(0)
         assert r not in rt.swap.out_flight and r.host is not None
         assert torch.equal(r.host.view(torch.float32), torch.arange(MiB // 4, dtype=torch.float32) * 3)
