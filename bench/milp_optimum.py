@@ -163,6 +163,82 @@ def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0, freed=None, r
             "seconds": time.perf_counter() - t0, "nodes": n, "recomputed_nodes": recomputed}
 
 
+def recompute_lower_bound(step, budget, time_limit=120.0):
+    """A lower bound of the recompute any plan needs for a step under ``budget`` bytes, for traces
+    far too long for the MILP (a runtime step of thousands of ops; ``step``: step arrays as
+    ``pymem.step_trace()`` gives them, at fixed op costs). The covers' own problem
+    (csrc/plan_cover.h), relaxed: the live bytes of the step that releases nothing (a value holds
+    its aligned bytes from its producer to its death: its last use, or where it was freed when the
+    step records that; made before the step: throughout) must come down to the budget at every
+    position, by values away across gaps between their uses (or from their producer to their first
+    use), each at its producer's cost shared among that op's outputs (a rerun brings them all
+    back), or across the tail after their last use (free); each away stretch a variable in [0, 1],
+    covering at most the overflow where it lies. Left out, each making the bound lower: a rerun's
+    inputs must be there (lineage), what a rerun's kernel allocates, fragmentation. Returns
+    (bound in seconds, or None when HiGHS did not solve it; the stretches it uses)."""
+    import highspy
+    import numpy as np
+
+    n, m = len(step["op"]), len(step["value_bytes"])
+    size = -(-np.asarray(step["value_bytes"], np.int64) // 512) * 512
+    producer = np.asarray(step["value_producer"])
+    recomputable = np.asarray(step["value_recomputable"]).astype(bool)
+    inputs_start, inputs = np.asarray(step["inputs_start"]), np.asarray(step["inputs"])
+    outputs_count = np.diff(np.asarray(step["outputs_start"]))
+    cost = np.asarray(step["op_cost"], np.float64)
+    free_at = np.asarray(step.get("value_free_at", []))
+    uses = [[] for _ in range(m)]
+    for k in range(n):
+        for v in inputs[inputs_start[k]:inputs_start[k + 1]]:
+            uses[int(v)].append(k)
+    death = np.empty(m, np.int64)
+    delta = np.zeros(n + 1, np.int64)
+    for v in range(m):
+        last, p = (uses[v][-1] if uses[v] else -1), int(producer[v])
+        died = last if len(free_at) == 0 else (n - 1 if free_at[v] < 0 else int(free_at[v]))
+        death[v] = n - 1 if p < 0 else max(last, p, died)
+        delta[max(p, 0)] += size[v]
+        delta[death[v] + 1] -= size[v]
+    over = np.maximum(np.cumsum(delta)[:n] - budget, 0)
+    rows = np.flatnonzero(over > 0)
+    if len(rows) == 0:
+        return 0.0, []
+    row_of = np.full(n, -1, np.int64)
+    row_of[rows] = np.arange(len(rows))
+    stretches, col_cost, starts, index, coef = [], [], [], [], []
+    for v in range(m):
+        p = int(producer[v])
+        if p < 0 or not recomputable[v]:
+            continue
+        share, prev, gaps = cost[p] / max(int(outputs_count[p]), 1), p, []
+        for u in uses[v]:
+            if u - prev >= 2:
+                gaps.append((prev, u, share))
+            prev = max(prev, u)
+        if death[v] > prev:
+            gaps.append((prev, int(death[v]) + 1, 0.0))
+        for after, until, c in gaps:
+            ks = rows[(rows > after) & (rows < until)]
+            if len(ks):
+                stretches.append((v, after, until))
+                starts.append(len(index))
+                col_cost.append(c)
+                index.extend(row_of[ks].tolist())
+                coef.extend(np.minimum(size[v], over[ks]).astype(float).tolist())
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    h.addRows(len(rows), over[rows].astype(float), np.full(len(rows), highspy.kHighsInf), 0,
+              np.array([], np.int32), np.array([], np.int32), np.array([], float))
+    h.addCols(len(col_cost), np.array(col_cost), np.zeros(len(col_cost)), np.ones(len(col_cost)), len(index),
+              np.array(starts, np.int32), np.array(index, np.int32), np.array(coef, float))
+    h.run()
+    if h.modelStatusToString(h.getModelStatus()) != "Optimal":
+        return None, []
+    x = h.getSolution().col_value
+    return h.getInfo().objective_function_value, [stretches[i] for i in range(len(stretches)) if x[i] > 1e-6]
+
+
 def main(argv=None) -> int:
     import torch
 

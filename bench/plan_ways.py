@@ -1,7 +1,7 @@
 """Which way the step plan settles on, and what each costs, with fixed op costs (no timer noise).
 
     python bench/plan_ways.py [--models transformer,deep,cnn] [--ratios ckpt,0.5,0.3] [--steps 18]
-                              [--json FILE]
+                              [--bound] [--json FILE]
 
 For each model of bench/vs_checkpoint.py and each budget (``ckpt``: the checkpoint-every-block
 peak; a number: that share of the unmanaged peak), in one process: ``--steps`` training steps with
@@ -11,7 +11,10 @@ recompute seconds (``remat_seconds``, at the fixed costs), the MiB compaction mo
 step was planned (csrc/plan_choice.h: learned, cover, rebuild, belady, greedy; "-" before the plan starts).
 Printed: each step, and the means over the steps after the trials (``plan="auto"``: from the first
 step the choice made; ``plan="off"``: the same steps), the recompute also as a share of the forward
-pass at the same costs (issue 13's target at the checkpointed peak: at most half).
+pass at the same costs (issue 13's target at the checkpointed peak: at most half). ``--bound``: also
+a lower bound of what any plan recomputes at that budget (bench/milp_optimum.py's
+``recompute_lower_bound``, an LP on the settled step; it leaves out lineage, so the best plan may
+lie well above it).
 """
 import argparse
 import gc
@@ -35,8 +38,9 @@ MiB = 2 ** 20
 COST = CostModel(1e11, 1e10, 5e-6)
 
 
-def run(name, budget, plan, steps):
-    """Per step: (way, recompute seconds, MiB moved); None when the budget is infeasible."""
+def run(name, budget, plan, steps, last_step=None):
+    """Per step: (way, recompute seconds, MiB moved); None when the budget is infeasible.
+    ``last_step``: a list that gets the last step's trace (``pymem.step_trace()``)."""
     rt = pymem.enable(budget, device="cpu", plan=plan, cost=COST)
     rows = []
     try:
@@ -49,6 +53,8 @@ def run(name, budget, plan, steps):
             rows.append((way, after["remat_seconds"] - before["remat_seconds"],
                          (after["moved_bytes"] - before["moved_bytes"]) / MiB))
             before = after
+        if last_step is not None:
+            last_step.append(pymem.step_trace())
     except pymem.OutOfBudgetError:
         return None
     finally:
@@ -86,6 +92,9 @@ def main(argv=None):
     ap.add_argument("--ratios", default="ckpt,0.5,0.3")
     ap.add_argument("--steps", type=int, default=18)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--bound", action="store_true",
+                    help="also the lower bound of recompute at each budget (milp_optimum.recompute_lower_bound; "
+                         "needs highspy)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -107,7 +116,8 @@ def main(argv=None):
             label = f"{budget / peak:.2f}" + (" (ckpt)" if r == "ckpt" else "")
             entry = res["budgets"][r] = {"budget_bytes": budget}
             for plan in ("off", "auto"):
-                rows = run(name, budget, plan, a.steps)
+                last_step = [] if plan == "auto" and a.bound else None
+                rows = run(name, budget, plan, a.steps, last_step)
                 if rows is None:
                     entry[plan] = {"feasible": False}
                     print(f"  {label:<12} plan={plan:<4}  infeasible")
@@ -121,6 +131,13 @@ def main(argv=None):
                 print(f"  {label:<12} plan={plan:<4}  settled: {remat:.4f} s recompute ({remat / forward:.2f} of a "
                       f"forward), {entry[plan]['moved_mib_settled']:5.1f} MiB moved per step, ways {'/'.join(ways)}")
                 print("      " + " ".join(f"{w[:2]}:{s:.3f}" for w, s, _ in rows))
+                if last_step:
+                    from milp_optimum import recompute_lower_bound
+                    bound, _ = recompute_lower_bound(last_step[0], budget)
+                    entry["recompute_lower_bound"] = bound
+                    if bound is not None:
+                        print(f"  {label:<12} lower bound of any plan's recompute: {bound:.4f} s "
+                              f"({bound / forward:.2f} of a forward)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
