@@ -68,7 +68,7 @@ def forward_seconds(name, peak):
     """The forward pass at the fixed costs: the ops of a step (the second, unmanaged in effect:
     twice the peak as budget) that made a value with a recipe (backward and optimizer ops make
     none). Issue 13's measure of recompute: at most half of it at the checkpointed peak."""
-    rt = pymem.enable(2 * peak, device="cpu", plan="off", cost=COST)
+    pymem.enable(2 * peak, device="cpu", plan="off", cost=COST)
     try:
         step = make(name, "plain", False, [])
         step()
