@@ -1,8 +1,9 @@
 // plan_choice.h — how to plan the next step (step_plan.h's ways): learn early releases from the
 // greedy's, cover the step's overflow (two ways: plan_cover.h), only read next uses (Belady's
-// scores, no early release), or run the policy alone (greedy, as the unplanned first step), chosen
-// from what the steps that followed each way cost. The step trace asks it at every step's end; the simulator
-// (pymem/sim/plan.py) asks the same object, so a replay plans as the runtime would.
+// scores, no early release), or run the policy alone (greedy, as the unplanned first step),
+// chosen from what the steps that followed each way cost. The step trace asks it at every step's
+// end; the simulator (pymem/sim/plan.py) asks the same object, so a replay plans as the runtime
+// would.
 //
 // Why five ways: none wins everywhere. Recompute seconds per step with fixed op costs
 // (bench/plan_ways.py): at the CNN's checkpointed peak greedy 0.166, learned 0.10, the cover 0.077,
@@ -22,8 +23,8 @@
 // costs what its way costs more than the cheapest (a greedy step at the CNN's checkpointed peak:
 // 3x), so a way whose probe measured over kFar times the cheapest sits out its next turns, twice
 // as many each time it does so again (up to kMaxSitOut turns); a probe that measures near the
-// cheapest brings it back to every turn. Where nothing may be covered (no budget, or values are offloaded: copies
-// out ahead and back follow the learned plan's releases), every step is learned.
+// cheapest brings it back to every turn. Where nothing may be covered (no budget, or values are
+// offloaded: copies out ahead and back follow the learned plan's releases), every step is learned.
 #pragma once
 
 #include "step_plan.h"

@@ -63,8 +63,8 @@ class Residency:
         if self.plan is not None:
             self.plan.note_release(r)  # the next step's plan releases it early (csrc/step_plan.h)
         swap = self.swap
-        if swap is not None and r in swap.out_flight:
-            swap.settle_out_before_release(r)  # however r goes: that copy reads its buffer
+        if swap is not None:
+            swap.settle_out(r)  # however r goes, a copy out ahead reads its buffer
         if r.recipe is None:
             if swap is None or not swap.copy_out(r, s):
                 raise OutOfBudgetError(
@@ -74,7 +74,8 @@ class Residency:
         else:
             # A host copy already made (an earlier offload, a copy out ahead) brings it back, whatever
             # the director would say of a new one: an offload that copies nothing.
-            offload = swap is not None and (r.host is not None or swap.wants_offload(r)) and swap.copy_out(r, s)
+            offload = swap is not None and (r.host is not None or swap.wants_offload(r)) and \
+                swap.copy_out(r, s)
         history = self.backend.history()
         if history is not None:
             history.label_next_free(s.data_ptr, f"pymem {'offload' if offload else 'evict'} {r.op}")

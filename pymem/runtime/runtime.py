@@ -292,8 +292,8 @@ class Runtime(_C.RuntimeBase):
         if r is None or nbytes == storage.nbytes():
             return
         with _interception.own_work():  # pymem's own work, not ops of the program
-            if self.swap is not None and r in self.swap.out_flight:
-                self.swap.finish_out(r)  # its copy out ahead reads the bytes resize_ frees
+            if self.swap is not None:
+                self.swap.settle_out(r)  # a copy out ahead reads the bytes resize_ frees
             if r.evicted and nbytes:  # resize_ keeps the bytes that fit: bring them back first
                 remat.restore(self, [r])
             del self.table[key]
@@ -454,8 +454,8 @@ class Runtime(_C.RuntimeBase):
                         mut_slots.add(j)
                         mut_recs.setdefault(recs[j].id, (recs[j], j))
                 for r, j in mut_recs.values():
-                    if self.swap is not None and r in self.swap.out_flight:
-                        self.swap.finish_out(r)  # its copy out ahead reads what the op overwrites
+                    if self.swap is not None:
+                        self.swap.settle_out(r)  # a copy out ahead reads what the op overwrites
                     if r.recipe is None:
                         r.host = None  # overwritten in place below: a host copy would be stale
                         if r.children:

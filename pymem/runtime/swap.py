@@ -492,11 +492,14 @@ class Swapper:
             self.num_copies_ahead += 1
             self.copied_ahead_bytes += r.nbytes
 
-    def settle_out_before_release(self, r: Record) -> None:
-        """r is being released (offloaded or evicted) while its copy out ahead runs, or waits for the
-        worker on the CPU: the copy reads the buffer about to be freed, so it completes first, and
-        r keeps its host copy. The copy's view may be all that holds the storage now (the program
-        freed it): kept until the next op, so that the release finds it alive."""
+    def settle_out(self, r: Record) -> None:
+        """r's buffer is about to be freed (a release, offload or eviction; a storage resize_) or
+        written in place: a copy out ahead of it, running or still waiting for the CPU worker,
+        reads that buffer, so it completes first, and r keeps its host copy. The copy's view may be
+        all that holds the storage now (the program freed it): kept until the next op, so that a
+        release finds it alive. Nothing when no such copy is in flight."""
+        if r not in self.out_flight:
+            return
         t0 = _perf()
         self.kept.append(self.finish_out(r))
         self.seconds += _perf() - t0

@@ -30,7 +30,6 @@ from .replay import Simulator
 from .trace import Trace
 
 
-
 COVERS = {"cover": _C.cover_releases, "rebuild": _C.rebuild_releases}  # the ways that cover, by name
 
 
