@@ -25,9 +25,9 @@
 //
 // Neither wins everywhere (fixed op costs, bench/plan_ways.py and bench/milp_optimum.py): on the
 // MILP's 6-layer MLP at 0.6 of its peak, lineage 2.56 ms of recompute and rebuild 1.99 against
-// the optimum's 1.71 (rebuild rebuilds the chain once and keeps part of it); on a 16-layer chain
-// with room for four activations, lineage 27 and rebuild 38 (its picks, made from the longest gaps
-// first, leave each backward rerun nothing to keep); on the transformers and CNN of
+// the release-only optimum's 1.71 (rebuild rebuilds the chain once and keeps part of it); on a
+// 16-layer chain with room for four activations, lineage 27 and rebuild 38 (its picks, made from
+// the longest gaps first, leave each backward rerun nothing to keep); on the transformers and CNN of
 // bench/vs_checkpoint.py, within 10% of each other either way. The step plan measures each on
 // the step itself and keeps the cheapest way (plan_choice.h).
 //
