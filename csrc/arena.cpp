@@ -238,6 +238,11 @@ size_t Arena::largest_free_block() const {
   return main_->largest_free();
 }
 
+size_t Arena::main_free_bytes() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return main_->free_bytes();
+}
+
 void Arena::set_pressure_handler(PressureHandler handler) {
   std::lock_guard<std::mutex> lock(mutex_);
   handler_ = std::move(handler);

@@ -67,6 +67,9 @@ class Arena {
   // speculative allocation (prefetch) asks for less than this minus a margin: it never causes an
   // eviction, and never takes the arena's last contiguous room.
   size_t largest_free_block() const;
+  // The main region's free bytes, in however many blocks. Where they cover a request that does not
+  // fit, the shortfall is fragmentation alone: compaction can place it without releasing anything.
+  size_t main_free_bytes() const;
 
   // Compaction (compact.cpp): slides each listed block (allocated, main region, not pinned) up to
   // the highest address it can reach without passing a block that is not listed, moving its bytes

@@ -235,6 +235,8 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
       .def("block_size", &Arena::block_size, py::arg("addr"))
       .def_property_readonly("largest_free_block", &Arena::largest_free_block,
                              "The main region's largest free block (bytes).")
+      .def_property_readonly("main_free_bytes", &Arena::main_free_bytes,
+                             "The main region's free bytes, in however many blocks.")
       .def("find_window",
            [](Arena& a, long long nbytes) -> py::object {
              Window w = a.find_window(check_size(nbytes, "window size"));

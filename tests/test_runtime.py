@@ -374,6 +374,29 @@ def test_a_leaf_storage_resized_outside_any_op_keeps_its_dependents_right(manage
     assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # unwrapped
 
 
+def test_free_bytes_that_cover_a_request_are_slid_together_not_released_for(managed):
+    """A request that the free bytes cover, only not in one block (the program freed every other
+    tensor), is placed by moving blocks: releasing a value would cost a recompute where a move
+    costs one copy."""
+    n = 65_536  # 256 KiB per tensor: above the small-region threshold
+    nbytes = 4 * n
+    x = torch.randn(n)  # made before enable: outside the budget
+    pymem.enable(8 * nbytes + 40 * 1024, policy="dtr")  # + the small region (budget / 64)
+    ts = [x * (i + 2) for i in range(8)]  # the budget full of recomputable values
+    assert pymem.memory_stats()["num_evictions"] == 0
+    for i in (1, 3, 5):
+        ts[i] = None
+    arena = pymem.current().arena
+    assert arena.main_free_bytes >= 2 * nbytes > arena.largest_free_block  # scattered
+    big = torch.cat([x, x])
+    st = pymem.memory_stats()
+    assert st["num_evictions"] == 0 and st["num_compactions"] == 1 and st["moved_bytes"] > 0
+    assert st["allocated_bytes.peak"] <= st["budget_bytes"]
+    assert torch.equal(big, torch.cat([x, x]))
+    for i in (0, 2, 4, 6, 7):
+        assert torch.equal(ts[i], x * (i + 2))
+
+
 def test_scattered_leaves_are_moved_to_fit_a_large_request(managed):
     """Leaves (state made under pymem.no_recompute) between evictable values split the free bytes; the request
     fits only if the leaves move. Their values, and the recomputed ones, must survive the move."""

@@ -469,6 +469,8 @@ class Simulator:
         allocs = self.arena.num_allocs
         if allocs != self._allocs:
             self._allocs, self._freed = allocs, 0
+            if not self.uses_window and self.arena.main_free_bytes >= request and self._compact(request):
+                return
         if self.uses_window:
             if not self._release_window(request) and not self._compact(request):
                 self._release_lowest(request)
