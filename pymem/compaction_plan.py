@@ -4,7 +4,7 @@ what to release in it so that a request fits once the segment slides together. P
 (runtime/compaction.py) and the simulator (sim/replay.py) both plan with it and carry the plan out.
 """
 import math
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 
 class _Segment:
@@ -120,3 +120,50 @@ def cheapest_window(seg: _Segment, gone: set, request: int) -> List[int]:
             best, best_cost = (i, j), used
     lo, hi = best if best is not None else (0, len(blocks) - 1)
     return [a for a, _, allocated in blocks[lo:hi + 1] if allocated]
+
+
+def bytes_to_move(seg: _Segment, moves: list, request: int) -> int:
+    """What carrying out a plan that releases nothing moves: its moves out of the segment, then
+    the blocks slid (cheapest_window's; those already in place counted too)."""
+    sizes = dict(seg.movable)
+    gone = {a for a, _ in moves}
+    return sum(sizes[a] for a in gone) + sum(sizes[a] for a in cheapest_window(seg, gone, request))
+
+
+def comeback_seconds(value) -> float:
+    """What releasing ``value`` (a policy's TensorView) will cost: nothing where the step plan says
+    nothing reads it again; else its copy back, or its recompute with the evicted ancestors that
+    needs. Compacting instead is worth it where the moves cost less."""
+    if value.next_use == math.inf:
+        return 0.0
+    if value.has_host_copy:
+        return value.swap_cost
+    return value.compute_cost + value.evicted_ancestor_cost
+
+
+def release_path_seconds(blocks, request: int, order, seconds: Callable) -> Optional[float]:
+    """What the pressure handler's other way costs: releasing ``order`` ((addr, value), lowest score
+    first) one at a time until ``request`` fits in one free block of the main region, each priced by
+    ``seconds(value)``. None where the released bytes reach the request first: the handler then
+    compacts anyway, having released them."""
+    main = [b for b in blocks if b.region == "main"]
+    index = {b.addr: i for i, b in enumerate(main)}
+    free = [not b.allocated for b in main]
+    released, total = 0, 0.0
+    for addr, value in order:
+        i = index.get(addr)
+        if i is None or free[i]:
+            continue
+        free[i] = True
+        released += main[i].size
+        total += seconds(value)
+        lo = hi = i
+        while lo > 0 and free[lo - 1]:
+            lo -= 1
+        while hi + 1 < len(main) and free[hi + 1]:
+            hi += 1
+        if sum(b.size for b in main[lo:hi + 1]) >= request:
+            return total
+        if released >= request:
+            return None
+    return None

@@ -17,7 +17,7 @@ Cost: one memmove of the segment's surviving blocks. It replaces evictions that 
 would have forced (a window cannot span a parameter), and DTR-style runtimes that grow past the
 budget instead (a caching allocator's fragmentation) are not an option under a hard cap.
 """
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional
 
 from .. import _C
 from .. import compaction_plan as _plan
@@ -101,8 +101,9 @@ def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
     return bool(slid)
 
 
-def compact_for(rt, request: int) -> bool:
-    """Release and move so that ``request`` fits in one block; False when no segment can hold it."""
+def compact_for(rt, request: int, worth: Optional[Callable[[int], bool]] = None) -> bool:
+    """Release and move so that ``request`` fits in one block; False when no segment can hold it.
+    ``worth``: only by moves, and only if ``worth(bytes to move)`` says so (else nothing is done)."""
     if not rt.can_compact:
         return False
     movable = movable_blocks(rt)
@@ -110,6 +111,8 @@ def compact_for(rt, request: int) -> bool:
     if chosen is None:
         return False
     seg, moves, victims = chosen
+    if worth is not None and (victims or not worth(_plan.bytes_to_move(seg, moves, request))):
+        return False
     rt.backend.before_moves()
     keep = []  # nothing moved may die mid-move
     for a, _ in seg.movable:

@@ -7,9 +7,12 @@ the lowest-scoring value, one per call, while that can still help: once the valu
 one allocation add up to the request and it still does not fit (the free bytes are scattered), they
 compact instead (compaction.py): release the cheapest values of one segment between unmovable blocks
 and slide the rest of it together. Where the main region's free bytes cover the request from the
-start (fragmentation alone), they compact first: a move costs one copy, a release a comeback
-(recompute seconds at the fixed costs of bench/plan_ways.py: TinyGPT at 0.3 of its peak 0.146 to
-0.109 a step, the CNN at 0.5 0.231 to 0.177). A hard budget cannot grow past fragmentation the way a caching
+start (fragmentation alone), they compact first, if that releases nothing and its moves cost less
+than releasing would: the comebacks (compaction_plan.comeback_seconds) of the values released,
+lowest score first, until the request fits beside a hole; releases that add up to the request
+without fitting end in a compaction anyway. Recompute seconds a step at the fixed costs of
+bench/plan_ways.py, before and after: TinyGPT at 0.3 of its peak 0.146 / 0.109 (plan off), the
+CNN at 0.5 0.141 / 0.084 (plan auto). A hard budget cannot grow past fragmentation the way a caching
 allocator does, and this keeps one-at-a-time eviction from emptying the arena for a single large
 request. When no segment can hold the request, they fall back to the cheapest window.
 
@@ -25,6 +28,7 @@ import time
 
 from .. import _C
 from ..policies import Planned, Policy, sample_candidates
+from ..compaction_plan import comeback_seconds, release_path_seconds
 from .compaction import compact_for
 
 _perf = time.perf_counter
@@ -115,9 +119,10 @@ class PressureHandler:
         if allocs != self._allocs:  # a new request (the arena calls us again until it fits)
             self._allocs, self._freed = allocs, 0
             rt.sweep()  # values whose last tensor died are freed already: count them as evicted
-            # The free bytes cover it, only not in one block: slide them together first, as releasing
-            # would cost a comeback where a move costs one copy (compaction plans the least release).
-            if not self.uses_window and rt.arena.main_free_bytes >= request and compact_for(rt, request):
+            # The free bytes cover it, only not in one block: slide them together first where the
+            # moves cost less than the comeback of what a release would take.
+            if not self.uses_window and rt.arena.main_free_bytes >= request and \
+                    compact_for(rt, request, lambda moved: self._moves_cheaper(request, moved)):
                 return
         if self.uses_window:
             if not self._release_window(request) and not compact_for(rt, request):
@@ -129,6 +134,19 @@ class PressureHandler:
                 compact_for(rt, request)
         elif not compact_for(rt, request):
             self._release_window(request)
+
+    def _moves_cheaper(self, request: int, moved: int) -> bool:
+        """Whether moving ``moved`` bytes costs less than what releasing would: the comebacks of the
+        values released, lowest score first, until ``request`` fits."""
+        rt = self.rt
+        cands = list(self._candidates())
+        records = [r for r, _ in cands]
+        scores = self.scores(records)
+        if scores is None:
+            scores = [rt.policy.evaluate(r, rt.clock) for r in records]
+        order = [(cands[i][1].data_ptr, records[i]) for i in sorted(range(len(cands)), key=scores.__getitem__)]
+        path = release_path_seconds(rt.arena.blocks(), request, order, comeback_seconds)
+        return path is None or rt.move_seconds(moved) < path
 
     def release_for(self, deficit: int) -> bool:
         """allocator='native': nothing calls us before a refusal, so after one, release the

@@ -605,9 +605,13 @@ class Runtime(_C.RuntimeBase):
         delta, self._moved_at_step = moved - self._moved_at_step, moved
         if delta <= 0 or not self.trace.planning:
             return 0.0
+        return self.move_seconds(delta)
+
+    def move_seconds(self, nbytes: int) -> float:
+        """What moving ``nbytes`` in a compaction costs (see _moved_seconds)."""
         if self.cost_model is not None:
-            return 2 * delta / self.cost_model.byte_rate
-        return delta / _cost_model.host_copy_bandwidth()
+            return 2 * nbytes / self.cost_model.byte_rate
+        return nbytes / _cost_model.host_copy_bandwidth()
 
     def end_step(self) -> None:
         """A training step is complete (its optimizer stepped, or ``pymem.step()``): the trace plans

@@ -14,9 +14,10 @@ simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, 
   recompute) runs, the blocks it reads or fills stay put, and nothing else is held in place (a
   locked value may move); a functional kernel refused its outputs runs once more after every
   block that may move, its inputs included, slides together (runtime.run_again);
-- under pressure the handler releases the lowest-scoring value one at a time while the bytes
-  released for the request fall short of it, and compacts once they do not (Coop's window search
-  for ``coop``); a released value is offloaded when it has a host copy already (an earlier
+- under pressure the handler compacts first where the free bytes cover the request and the moves
+  cost less than the releases would (pressure._moves_cheaper), else releases the lowest-scoring
+  value one at a time while the bytes released for the request fall short of it, and compacts once
+  they do not (Coop's window search for ``coop``); a released value is offloaded when it has a host copy already (an earlier
   offload's, a copy out ahead's) or the director says so (leaves are only ever offloaded, and only
   when offloading is on), evicted otherwise;
 - costs: an op's seconds from the GPU cost model (``launch + max(flops / rate, bytes /
@@ -46,7 +47,7 @@ Deterministic: nothing here reads a timer or a random number.
 import bisect
 import heapq
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -469,7 +470,8 @@ class Simulator:
         allocs = self.arena.num_allocs
         if allocs != self._allocs:
             self._allocs, self._freed = allocs, 0
-            if not self.uses_window and self.arena.main_free_bytes >= request and self._compact(request):
+            if not self.uses_window and self.arena.main_free_bytes >= request and \
+                    self._compact(request, lambda moved: self._moves_cheaper(request, moved)):
                 return
         if self.uses_window:
             if not self._release_window(request) and not self._compact(request):
@@ -482,9 +484,7 @@ class Simulator:
         elif not self._compact(request):
             self._release_window(request)
 
-    def _release_lowest(self, request: int = 0) -> int:
-        """pressure._release_lowest: the lowest score among values no restore waits for; else the
-        waited-on value read last; else, as a last resort, a copy back still in flight."""
+    def _lowest(self) -> Optional[_Value]:
         evaluate, now = self.policy.evaluate, self.clock
         best, best_key = None, (math.inf, math.inf)
         for v in self.by_addr.values():
@@ -492,6 +492,23 @@ class Simulator:
                 k = (v.waits > 0 and v.need_rank, evaluate(v, now))
                 if k < best_key:
                     best, best_key = v, k
+        return best
+
+    def _moves_cheaper(self, request: int, moved: int) -> bool:
+        """pressure._moves_cheaper: moving ``moved`` bytes costs less than the comebacks of the
+        values released, lowest score first, until ``request`` fits."""
+        evaluate, now = self.policy.evaluate, self.clock
+        order = sorted(((v.waits > 0 and v.need_rank, evaluate(v, now)), a, v)
+                       for a, v in self.by_addr.items() if self._releasable(v))
+        path = compaction_plan.release_path_seconds(self.arena.blocks(), request, [(a, v) for _, a, v in order],
+                                                   compaction_plan.comeback_seconds)
+        moves = moved / self.move_bytes_per_s if self.move_bytes_per_s else 0.0
+        return path is None or moves < path
+
+    def _release_lowest(self, request: int = 0) -> int:
+        """pressure._release_lowest: the lowest score among values no restore waits for; else the
+        waited-on value read last; else, as a last resort, a copy back still in flight."""
+        best = self._lowest()
         if best is None:
             return self._cancel_prefetch(request)
         return self._release(best)
@@ -529,7 +546,7 @@ class Simulator:
                 self._release(v)
         return True
 
-    def _compact(self, request: int) -> bool:
+    def _compact(self, request: int, worth: Optional[Callable[[int], bool]] = None) -> bool:
         movable = {a: (v, None, self._releasable(v)) for a, v in self.by_addr.items()
                    if v.busy == 0 and v.host_at <= self.clock}  # a block being copied out stays
         evaluate, cost, now = self.policy.evaluate, self.policy.block_cost, self.clock
@@ -539,6 +556,8 @@ class Simulator:
         if chosen is None:
             return False
         seg, moves, victims = chosen
+        if worth is not None and (victims or not worth(compaction_plan.bytes_to_move(seg, moves, request))):
+            return False
         for old, new in moves:
             self.arena.move_block(old, new)
             self._moved(old, new)
