@@ -55,7 +55,7 @@ Arena::Arena(std::unique_ptr<Backing> backing, const ArenaConfig& config)
 
   small_threshold_ = config.small_threshold;
   size_t small = config.small_region;
-  if (small == SIZE_MAX) small = std::min(budget_ / 64, kDefaultSmallRegionCap);
+  if (small == SIZE_MAX) small = std::min(budget_ / kDefaultSmallRegionShare, kDefaultSmallRegionCap);
   small &= ~(kAlignment - 1);
   if (small_threshold_ == 0 || small + kAlignment > budget_) small = 0;
   if (small == 0) small_threshold_ = 0;

@@ -37,7 +37,7 @@ using PressureHandler = std::function<void(size_t request, const Window& window)
 struct ArenaConfig {
   size_t budget = 0;
   size_t small_threshold = kDefaultSmallThreshold;  // 0 disables the small region
-  size_t small_region = SIZE_MAX;                   // SIZE_MAX: budget / 64, at most 64 MiB
+  size_t small_region = SIZE_MAX;                   // SIZE_MAX: budget / 256, at most 64 MiB
   SearchMode mode = SearchMode::Window;
 };
 

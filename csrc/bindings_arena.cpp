@@ -181,7 +181,7 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
   backing: "host" (an mmap'd slab, pages committed on touch), "virtual" (addresses only, no
   memory: for simulation and tests) or "cuda" (one cudaMalloc slab on `device`, through the CUDA
   runtime table at address `cuda_table`; its moves are device-to-device copies on the stream given to set_move_stream). Requests <= small_threshold bytes go to a small region at the
-  top of the range (small_region bytes; default budget/64, at most 64 MiB) that eviction never scans.
+  top of the range (small_region bytes; default budget/256, at most 64 MiB) that eviction never scans.
   search: "window" (Coop's cheapest contiguous window), "one_at_a_time" (cheapest single block), or
   "handler" (no search: the pressure handler chooses alone and gets window=None).
 )doc")

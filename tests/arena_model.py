@@ -102,7 +102,7 @@ class ArenaModel:
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        small = min(self.budget // 64, SMALL_CAP) & ~(ALIGN - 1)
+        small = min(self.budget // 256, SMALL_CAP) & ~(ALIGN - 1)
         if self.small_threshold == 0 or small + ALIGN > self.budget:
             small = 0
         if small == 0:

@@ -511,12 +511,12 @@ def test_stats(cu, fake):
 
 
 def test_small_region(lib, fake):
-    lib.configure(BUDGET)  # default small threshold: a small region of budget / 64 at the top
+    lib.configure(BUDGET)  # default small threshold: a small region of budget / 256 at the top
     c = Client(lib)
     small = c.alloc(KiB)
     large = c.alloc(64 * KiB)
-    assert small >= fake.slab + BUDGET - BUDGET // 64
-    assert large < fake.slab + BUDGET - BUDGET // 64
+    assert small >= fake.slab + BUDGET - BUDGET // 256
+    assert large < fake.slab + BUDGET - BUDGET // 256
     c.free(small)
     c.free(large)
     lib.reset()

@@ -381,7 +381,7 @@ def test_free_bytes_that_cover_a_request_are_slid_together_not_released_for(mana
     n = 65_536  # 256 KiB per tensor: above the small-region threshold
     nbytes = 4 * n
     x = torch.randn(n)  # made before enable: outside the budget
-    pymem.enable(8 * nbytes + 40 * 1024, policy="dtr")  # + the small region (budget / 64)
+    pymem.enable(8 * nbytes + 40 * 1024, policy="dtr")  # + the small region (budget / 256)
     ts = [x * (i + 2) for i in range(8)]  # the budget full of recomputable values
     assert pymem.memory_stats()["num_evictions"] == 0
     for i in (1, 3, 5):
@@ -402,7 +402,7 @@ def test_scattered_leaves_are_moved_to_fit_a_large_request(managed):
     fits only if the leaves move. Their values, and the recomputed ones, must survive the move."""
     n = 65_536  # 256 KiB per tensor: above the small-region threshold
     nbytes = 4 * n
-    pymem.enable(10 * nbytes + 16 * 1024 + 512, policy="dtr")  # + the small region (budget / 64)
+    pymem.enable(10 * nbytes + 16 * 1024 + 512, policy="dtr")  # + the small region (budget / 256)
     x = torch.randn(n)
     leaves, acts = [], []
     for i in range(4):

@@ -64,7 +64,7 @@ def test_infinite_budget_gives_overhead_one():
 
 @pytest.mark.parametrize("policy", ["dtr", "dtr-chain", "msps", "lru", "coop"])
 def test_known_optimal_release(policy):
-    # 4 MiB: the small region (budget/64) leaves room for three 1 MiB blocks in the main region, not four.
+    # 4 MiB: the small region (budget/256) leaves room for three 1 MiB blocks in the main region, not four.
     out = simulate(_cheap_and_costly(), 4 * MiB, policy=policy, device=None)
     assert out["status"] == "ok"
     assert out["evictions"] == 1 and out["recompute_seconds"] == 1.0  # A went, and came back once
