@@ -24,8 +24,9 @@
 // runtime will see up to temporaries (inside ops, a rerun's dead inputs) and fragmentation.
 //
 // Neither wins everywhere (fixed op costs, bench/plan_ways.py and bench/milp_optimum.py): on the
-// MILP's 6-layer MLP at 0.6 of its peak, lineage 2.56 ms of recompute and rebuild 1.99 against
-// the release-only optimum's 1.71 (rebuild rebuilds the chain once and keeps part of it); on a
+// MILP's 6-layer MLP at 0.6 of its peak, rebuild 1.99 ms of recompute against the release-only
+// optimum's 1.71 (it rebuilds the chain once and keeps part of it), lineage 1.71 (of its covers
+// of the budget and of 0.98 and 0.96 of it, the cheapest by its own prices: cover_releases); on a
 // 16-layer chain with room for four activations, lineage 27 and rebuild 38 (its picks, made from
 // the longest gaps first, leave each backward rerun nothing to keep); on the transformers and CNN of
 // bench/vs_checkpoint.py, within 10% of each other either way. The step plan measures each on
@@ -49,7 +50,8 @@ namespace pymem {
 
 // (position, value): release `value` right after the op at `position`, for the step `s` under
 // `budget` bytes. Empty where the profile never overflows. cover_releases prices each comeback
-// with its lineage; rebuild_releases plans what reruns rebuild (see above).
+// with its lineage (and keeps the cheapest by those prices of its covers of the budget and of
+// 0.98 and 0.96 of it: greedy turns on near ties); rebuild_releases plans what reruns rebuild.
 std::vector<std::pair<int32_t, int32_t>> cover_releases(const StepArrays& s, int64_t budget);
 std::vector<std::pair<int32_t, int32_t>> rebuild_releases(const StepArrays& s, int64_t budget);
 
