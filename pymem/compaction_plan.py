@@ -157,12 +157,14 @@ def release_path_seconds(blocks, request: int, order, seconds: Callable) -> Opti
         free[i] = True
         released += main[i].size
         total += seconds(value)
-        lo = hi = i
+        run, lo, hi = main[i].size, i, i  # the free run around it, summed as it grows
         while lo > 0 and free[lo - 1]:
             lo -= 1
+            run += main[lo].size
         while hi + 1 < len(main) and free[hi + 1]:
             hi += 1
-        if sum(b.size for b in main[lo:hi + 1]) >= request:
+            run += main[hi].size
+        if run >= request:
             return total
         if released >= request:
             return None

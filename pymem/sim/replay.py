@@ -484,23 +484,19 @@ class Simulator:
         elif not self._compact(request):
             self._release_window(request)
 
+    def _release_key(self, v: _Value) -> tuple:
+        """The order pressure releases in: what no restore waits for first, by the policy's score."""
+        return (v.waits > 0 and v.need_rank, self.policy.evaluate(v, self.clock))
+
     def _lowest(self) -> Optional[_Value]:
-        evaluate, now = self.policy.evaluate, self.clock
-        best, best_key = None, (math.inf, math.inf)
-        for v in self.by_addr.values():
-            if self._releasable(v):
-                k = (v.waits > 0 and v.need_rank, evaluate(v, now))
-                if k < best_key:
-                    best, best_key = v, k
-        return best
+        return min((v for v in self.by_addr.values() if self._releasable(v)), key=self._release_key, default=None)
 
     def _moves_cheaper(self, request: int, moved: int) -> bool:
         """pressure._moves_cheaper: moving ``moved`` bytes costs less than the comebacks of the
         values released, lowest score first, until ``request`` fits."""
-        evaluate, now = self.policy.evaluate, self.clock
-        order = sorted(((v.waits > 0 and v.need_rank, evaluate(v, now)), a, v)
-                       for a, v in self.by_addr.items() if self._releasable(v))
-        path = compaction_plan.release_path_seconds(self.arena.blocks(), request, [(a, v) for _, a, v in order],
+        order = sorted(((a, v) for a, v in self.by_addr.items() if self._releasable(v)),
+                       key=lambda av: self._release_key(av[1]))
+        path = compaction_plan.release_path_seconds(self.arena.blocks(), request, order,
                                                    compaction_plan.comeback_seconds)
         moves = moved / self.move_bytes_per_s if self.move_bytes_per_s else 0.0
         return path is None or moves < path
