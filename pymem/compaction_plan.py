@@ -4,7 +4,7 @@ what to release in it so that a request fits once the segment slides together. P
 (runtime/compaction.py) and the simulator (sim/replay.py) both plan with it and carry the plan out.
 """
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 
 class _Segment:
@@ -130,6 +130,23 @@ def bytes_to_move(seg: _Segment, moves: list, request: int) -> int:
     return sum(sizes[a] for a in gone) + sum(sizes[a] for a in cheapest_window(seg, gone, request))
 
 
+class _PictureBlock(NamedTuple):  # a block of an arena picture that differs from the arena's
+    addr: int
+    size: int
+    allocated: bool
+    region: str
+
+
+def bytes_to_move_after(blocks, freed: set, request: int, movable: Dict[int, tuple]) -> Optional[int]:
+    """What the compaction that follows releasing the blocks at the addresses in ``freed`` moves so
+    that ``request`` fits, by moves alone (``plan`` on that picture, nothing released; fewest bytes
+    moved); None where moves alone cannot make it fit."""
+    picture = [_PictureBlock(b.addr, b.size, b.allocated and b.addr not in freed, b.region) for b in blocks]
+    kept = {a: (m[0], m[1], False) for a, m in movable.items() if a not in freed}
+    chosen = plan(picture, request, kept, lambda v: 0, lambda v: 0.0)
+    return None if chosen is None else bytes_to_move(chosen[0], chosen[1], request)
+
+
 def comeback_seconds(value) -> float:
     """What releasing ``value`` (a policy's TensorView) will cost: nothing where the step plan says
     nothing reads it again; else its copy back, or its recompute with the evicted ancestors that
@@ -141,20 +158,23 @@ def comeback_seconds(value) -> float:
     return value.compute_cost + value.evicted_ancestor_cost
 
 
-def release_path_seconds(blocks, request: int, order, seconds: Callable) -> Optional[float]:
+def release_path_seconds(blocks, request: int, order, seconds: Callable,
+                         then: Optional[Callable[[set], float]] = None) -> Optional[float]:
     """What the pressure handler's other way costs: releasing ``order`` ((addr, value), lowest score
     first) one at a time until ``request`` fits in one free block of the main region, each priced by
-    ``seconds(value)``. None where the released bytes reach the request first: the handler then
-    compacts anyway, having released them."""
+    ``seconds(value)``. Where the released bytes reach the request first, the handler compacts
+    then, having released them: that costs ``then(addresses released)`` more (inf: it cannot), or
+    without ``then``, the result is None."""
     main = [b for b in blocks if b.region == "main"]
     index = {b.addr: i for i, b in enumerate(main)}
     free = [not b.allocated for b in main]
-    released, total = 0, 0.0
+    released, total, gone = 0, 0.0, set()
     for addr, value in order:
         i = index.get(addr)
         if i is None or free[i]:
             continue
         free[i] = True
+        gone.add(addr)
         released += main[i].size
         total += seconds(value)
         run, lo, hi = main[i].size, i, i  # the free run around it, summed as it grows
@@ -167,5 +187,5 @@ def release_path_seconds(blocks, request: int, order, seconds: Callable) -> Opti
         if run >= request:
             return total
         if released >= request:
-            return None
+            return None if then is None else total + then(gone)
     return None

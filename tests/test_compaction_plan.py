@@ -41,3 +41,20 @@ def test_a_comeback_costs_nothing_where_the_plan_reads_the_value_no_more():
     assert compaction_plan.comeback_seconds(gone) == 0.0
     assert compaction_plan.comeback_seconds(gone._replace(next_use=0.5)) == 7.0  # recompute + evicted ancestors
     assert compaction_plan.comeback_seconds(gone._replace(next_use=None, has_host_copy=True)) == 5.0  # copy back
+
+
+def test_releases_that_add_up_to_the_request_are_priced_with_the_compaction_after_them():
+    """The handler, having released A and C, slides B (1 byte) to fit 4: that move is part of the
+    release path's price. Where B may not move, no compaction fits it by moves alone: inf."""
+    blocks = layout((2, True), (1, True), (2, True), (1, False))  # A B C .
+    order = [(0, "a"), (3, "c")]
+    movable = {0: ("a", None, True), 2: ("b", None, False), 3: ("c", None, True)}
+    assert compaction_plan.bytes_to_move_after(blocks, {0, 3}, 4, movable) == 1
+    assert compaction_plan.bytes_to_move_after(blocks, {0, 3}, 4, {0: movable[0], 3: movable[3]}) is None
+
+    def then(freed):
+        moved = compaction_plan.bytes_to_move_after(blocks, freed, 4, movable)
+        return math.inf if moved is None else 10.0 * moved
+    assert compaction_plan.release_path_seconds(blocks, 4, order, lambda v: 1.0, then) == 12.0
+    # Releases that never reach the request: compaction is the only way (None).
+    assert compaction_plan.release_path_seconds(blocks, 6, order, lambda v: 1.0, then) is None

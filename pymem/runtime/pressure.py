@@ -28,8 +28,8 @@ import time
 
 from .. import _C
 from ..policies import Planned, Policy, sample_candidates
-from ..compaction_plan import comeback_seconds, release_path_seconds
-from .compaction import compact_for
+from ..compaction_plan import bytes_to_move_after, comeback_seconds, release_path_seconds
+from .compaction import compact_for, movable_blocks
 
 _perf = time.perf_counter
 
@@ -137,7 +137,9 @@ class PressureHandler:
 
     def _moves_cheaper(self, request: int, moved: int) -> bool:
         """Whether moving ``moved`` bytes costs less than what releasing would: the comebacks of the
-        values released, lowest score first, until ``request`` fits."""
+        values released, lowest score first, until ``request`` fits, or where their bytes reach it
+        first, those and the moves of the compaction that follows (one that gathers nearly all the
+        free bytes may move most of the arena, where a few releases leave it little to move)."""
         rt = self.rt
         cands = list(self._candidates())
         records = [r for r, _ in cands]
@@ -145,7 +147,12 @@ class PressureHandler:
         if scores is None:
             scores = [rt.policy.evaluate(r, rt.clock) for r in records]
         order = [(cands[i][1].data_ptr, records[i]) for i in sorted(range(len(cands)), key=scores.__getitem__)]
-        path = release_path_seconds(rt.arena.blocks(), request, order, comeback_seconds)
+        blocks = rt.arena.blocks()
+
+        def then(freed: set) -> float:
+            after = bytes_to_move_after(blocks, freed, request, movable_blocks(rt))
+            return math.inf if after is None else rt.move_seconds(after)
+        path = release_path_seconds(blocks, request, order, comeback_seconds, then)
         return path is None or rt.move_seconds(moved) < path
 
     def release_for(self, deficit: int) -> bool:

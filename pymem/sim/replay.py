@@ -493,13 +493,21 @@ class Simulator:
 
     def _moves_cheaper(self, request: int, moved: int) -> bool:
         """pressure._moves_cheaper: moving ``moved`` bytes costs less than the comebacks of the
-        values released, lowest score first, until ``request`` fits."""
+        values released, lowest score first, until ``request`` fits (or until their bytes reach
+        it, and the moves of the compaction after them)."""
         order = sorted(((a, v) for a, v in self.by_addr.items() if self._releasable(v)),
                        key=lambda av: self._release_key(av[1]))
-        path = compaction_plan.release_path_seconds(self.arena.blocks(), request, order,
-                                                   compaction_plan.comeback_seconds)
-        moves = moved / self.move_bytes_per_s if self.move_bytes_per_s else 0.0
-        return path is None or moves < path
+        blocks = self.arena.blocks()
+        movable = {a: (v, None, False) for a, v in self.by_addr.items() if v.busy == 0 and v.host_at <= self.clock}
+
+        def seconds(nbytes: int) -> float:
+            return nbytes / self.move_bytes_per_s if self.move_bytes_per_s else 0.0
+
+        def then(freed: set) -> float:
+            after = compaction_plan.bytes_to_move_after(blocks, freed, request, movable)
+            return math.inf if after is None else seconds(after)
+        path = compaction_plan.release_path_seconds(blocks, request, order, compaction_plan.comeback_seconds, then)
+        return path is None or seconds(moved) < path
 
     def _release_lowest(self, request: int = 0) -> int:
         """pressure._release_lowest: the lowest score among values no restore waits for; else the
