@@ -192,8 +192,10 @@ class Runtime(_C.RuntimeBase):
             self.trace.planning = True
             self.residency.plan = self.trace
             # The plan may cover the budget from the step's live bytes (csrc/plan_cover.h); it prices
-            # recomputes only, so not where values are offloaded.
-            self.trace.budget = budget if self.swap is None else 0
+            # recomputes only, so not where values are offloaded. It covers the main region's
+            # bytes: the small region's serve no large request, and a plan that fills the whole
+            # budget leaves requests short there, for the pressure handler to release unplanned.
+            self.trace.budget = budget - self.arena.small_region_size if self.swap is None else 0
         self.lock = _C.RuntimeLock()  # threading.RLock's contract; the fast path takes it without a call
         self.threads = ThreadCoverage(self, self.interception)
         self.raw_access = RawAccess(self)

@@ -72,6 +72,7 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     kw["lead"] = lead
     first = Simulator(trace, budget, plan="off", **kw)  # the runtime's first step: no plan yet
     step = step_arrays(trace, first.seconds)
+    covered = first.budget - first.arena.small_region_size  # what the runtime's covers plan for
     cover_allowed = kw.get("offload", "never") == "never"  # offloading: the runtime plans learned only
     choice = _C.PlanChoice()
     steps: List[Dict] = []
@@ -92,7 +93,7 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
 
     def simulator(how: str) -> Simulator:
         if how in COVERS:
-            return Simulator(trace, budget, plan="auto", releases=COVERS[how](step, budget),
+            return Simulator(trace, budget, plan="auto", releases=COVERS[how](step, covered),
                              releases_chains=True, **kw)
         return Simulator(trace, budget, plan="auto", **kw)  # belady: next uses, no early release
 
