@@ -195,7 +195,9 @@ class Runtime(_C.RuntimeBase):
             # recomputes only, so not where values are offloaded. It covers the main region's
             # bytes: the small region's serve no large request, and a plan that fills the whole
             # budget leaves requests short there, for the pressure handler to release unplanned.
-            self.trace.budget = budget - self.arena.small_region_size if self.swap is None else 0
+            # (allocator="native" has no arena: the cap is the budget's.)
+            small = self.arena.small_region_size if self.arena is not None else 0
+            self.trace.budget = budget - small if self.swap is None else 0
         self.lock = _C.RuntimeLock()  # threading.RLock's contract; the fast path takes it without a call
         self.threads = ThreadCoverage(self, self.interception)
         self.raw_access = RawAccess(self)
