@@ -313,7 +313,7 @@ def main(argv=None) -> int:
         rows = {}
         for ratio in (0.8, 0.6, 0.5, 0.4):
             budget = int(peak * ratio)
-            main_region = budget - _C.Arena(budget, "virtual").small_region_size
+            main_region = budget - _C.Arena(budget // _C.ALIGNMENT * _C.ALIGNMENT, "virtual").small_region_size
             optima = {"milp": solve(mem, cost, deps, recomp, keep, budget - constant, args.time_limit, freed),
                       "milp_release_only": solve(mem, cost, deps, recomp, keep, budget - constant, args.time_limit,
                                                  freed, release_only=True),
