@@ -498,16 +498,22 @@ class Simulator:
         order = sorted(((a, v) for a, v in self.by_addr.items() if self._releasable(v)),
                        key=lambda av: self._release_key(av[1]))
         blocks = self.arena.blocks()
-        movable = {a: (v, None, False) for a, v in self.by_addr.items() if v.busy == 0 and v.host_at <= self.clock}
-
-        def seconds(nbytes: int) -> float:
-            return nbytes / self.move_bytes_per_s if self.move_bytes_per_s else 0.0
 
         def then(freed: set) -> float:
-            after = compaction_plan.bytes_to_move_after(blocks, freed, request, movable)
-            return math.inf if after is None else seconds(after)
+            after = compaction_plan.bytes_to_move_after(blocks, freed, request, self._movable())
+            return math.inf if after is None else self._move_seconds(after)
         path = compaction_plan.release_path_seconds(blocks, request, order, compaction_plan.comeback_seconds, then)
-        return path is None or seconds(moved) < path
+        return path is None or self._move_seconds(moved) < path
+
+    def _move_seconds(self, nbytes: int) -> float:
+        """Moving ``nbytes`` on the device (launches left out: a price to compare, as the runtime's)."""
+        return nbytes / self.move_bytes_per_s if self.move_bytes_per_s else 0.0
+
+    def _movable(self) -> Dict[int, tuple]:
+        """compaction.movable_blocks: addr -> (value, None, releasable) for the blocks that may move
+        now (a block being copied out, or read by a kernel running, stays)."""
+        return {a: (v, None, self._releasable(v)) for a, v in self.by_addr.items()
+                if v.busy == 0 and v.host_at <= self.clock}
 
     def _release_lowest(self, request: int = 0) -> int:
         """pressure._release_lowest: the lowest score among values no restore waits for; else the
@@ -551,8 +557,7 @@ class Simulator:
         return True
 
     def _compact(self, request: int, worth: Optional[Callable[[int], bool]] = None) -> bool:
-        movable = {a: (v, None, self._releasable(v)) for a, v in self.by_addr.items()
-                   if v.busy == 0 and v.host_at <= self.clock}  # a block being copied out stays
+        movable = self._movable()
         evaluate, cost, now = self.policy.evaluate, self.policy.block_cost, self.clock
         chosen = compaction_plan.plan(self.arena.blocks(), request, movable,
                                       lambda v: (v.waits > 0, v.need_rank, evaluate(v, now)),
