@@ -1,7 +1,7 @@
 """Which way the step plan settles on, and what each costs, with fixed op costs (no timer noise).
 
     python bench/plan_ways.py [--models transformer,deep,cnn] [--ratios ckpt,0.5,0.3] [--steps 18]
-                              [--bound] [--json FILE]
+                              [--bound] [--no-step-placement] [--json FILE]
 
 For each model of bench/vs_checkpoint.py and each budget (``ckpt``: the checkpoint-every-block
 peak; a number: that share of the unmanaged peak), in one process: ``--steps`` training steps with
@@ -14,7 +14,8 @@ step the choice made; ``plan="off"``: the same steps), the recompute also as a s
 pass at the same costs (issue 13's target at the checkpointed peak: at most half). ``--bound``: also
 a lower bound of what any plan recomputes at that budget (bench/milp_optimum.py's
 ``recompute_lower_bound``, an LP on the settled step; it leaves out lineage, so the best plan may
-lie well above it).
+lie well above it). ``--no-step-placement``: ``plan="auto"`` with its arena's step placement off
+(csrc/step_placement.h; ``plan="off"`` never has it), to measure what the placement does.
 """
 import argparse
 import gc
@@ -38,10 +39,12 @@ MiB = 2 ** 20
 COST = CostModel(1e11, 1e10, 5e-6)
 
 
-def run(name, budget, plan, steps, last_step=None):
+def run(name, budget, plan, steps, last_step=None, step_placement=True):
     """Per step: (way, recompute seconds, MiB moved); None when the budget is infeasible.
     ``last_step``: a list that gets the last step's trace (``pymem.step_trace()``)."""
     rt = pymem.enable(budget, device="cpu", plan=plan, cost=COST)
+    if not step_placement:
+        rt.arena.step_placement = False
     rows = []
     try:
         step = make(name, "plain", False, [])
@@ -95,13 +98,16 @@ def main(argv=None):
     ap.add_argument("--bound", action="store_true",
                     help="also the lower bound of recompute at each budget (milp_optimum.recompute_lower_bound; "
                          "needs highspy)")
+    ap.add_argument("--no-step-placement", action="store_true",
+                    help='plan="auto" with the arena\'s step placement off (csrc/step_placement.h)')
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     settled_from = pymem._C.PlanChoice.TRIAL_STEPS + 2  # the plan starts at step 3, then the trials
     if a.steps <= settled_from:
         ap.error(f"--steps must be over {settled_from}: the choice settles from step {settled_from + 1}")
-    out = {"cost": [COST.flop_rate, COST.byte_rate, COST.launch], "settled_from_step": settled_from + 1, "models": {}}
+    out = {"cost": [COST.flop_rate, COST.byte_rate, COST.launch], "settled_from_step": settled_from + 1,
+           "step_placement": not a.no_step_placement, "models": {}}
     for name in a.models.split(","):
         peak = peak_of(name, "plain", False, 2)
         ckpt = peak_of(name, "checkpoint", False, 2)
@@ -117,7 +123,7 @@ def main(argv=None):
             entry = res["budgets"][r] = {"budget_bytes": budget}
             for plan in ("off", "auto"):
                 last_step = [] if plan == "auto" and a.bound else None
-                rows = run(name, budget, plan, a.steps, last_step)
+                rows = run(name, budget, plan, a.steps, last_step, not a.no_step_placement)
                 if rows is None:
                     entry[plan] = {"feasible": False}
                     print(f"  {label:<12} plan={plan:<4}  infeasible")

@@ -71,7 +71,44 @@ Block* Arena::try_allocate_locked(size_t rounded, CostClass cls) {
   if (rounded <= small_threshold_) {
     if (Block* b = small_->allocate(rounded, CostClass::Costly)) return b;
   }
-  return main_->allocate(rounded, cls);
+  if (!placement_) {
+    Block* b = main_->allocate(rounded, cls);
+    if (b) b->serial = kNoSerial;
+    return b;
+  }
+  if (rounded <= small_threshold_) {  // found its region full: not planned, kept out of the planned blocks' way
+    Block* b = main_->allocate_top(rounded);
+    if (b) b->serial = kNoSerial;
+    return b;
+  }
+  const int64_t offset = placement_->planned_offset(rounded);
+  Block* b = offset >= 0 ? main_->allocate_at(main_->base() + static_cast<size_t>(offset), rounded) : nullptr;
+  const bool placed = b != nullptr;
+  if (!b) b = main_->allocate(rounded, cls);
+  if (!b) return nullptr;  // pressure, then this again: the same planned offset
+  if (offset >= 0) placement_->count_placed(placed);
+  b->serial = placement_->allocated(rounded);
+  return b;
+}
+
+void Arena::set_step_placement(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (on == (placement_ != nullptr)) return;
+  placement_ = on ? std::make_unique<StepPlacement>() : nullptr;
+}
+
+bool Arena::step_placement() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return placement_ != nullptr;
+}
+
+void Arena::end_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!placement_) return;
+  std::vector<StepPlacement::Live> live;
+  for (const Block* b = main_->first(); b; b = b->next)
+    if (b->allocated) live.push_back({b->addr - main_->base(), b->size, b->serial});
+  placement_->end_step(live, main_->size());
 }
 
 uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double cost, bool pinned) {
@@ -184,6 +221,7 @@ void Arena::release_block_locked(Block* b) {  // b already taken out of allocate
   stats_.requested_bytes -= b->requested;
   if (b->pinned) stats_.pinned_bytes -= b->size;
   if (history_) history_->record(HistoryEvent::Action::Free, b->addr, b->size);  // before b merges away
+  if (placement_ && b->region == RegionKind::Main) placement_->freed(b->serial);
   (b->region == RegionKind::Main ? *main_ : *small_).free(b);
 }
 
@@ -255,6 +293,10 @@ ArenaStats Arena::stats() const {
   s.num_blocks = main_->num_blocks() + (small_ ? small_->num_blocks() : 0);
   s.free_bytes = main_->free_bytes() + (small_ ? small_->free_bytes() : 0);
   s.largest_free_block = std::max(main_->largest_free(), small_ ? small_->largest_free() : 0);
+  if (placement_) {
+    s.num_placed_as_planned = placement_->num_placed();
+    s.num_displaced_from_plan = placement_->num_displaced();
+  }
   return s;
 }
 

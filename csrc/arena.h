@@ -28,6 +28,7 @@
 #include "backing.h"
 #include "history.h"
 #include "region.h"
+#include "step_placement.h"
 #include "types.h"
 
 namespace pymem {
@@ -94,6 +95,13 @@ class Arena {
   SearchMode mode() const { return mode_.load(); }
   void set_mode(SearchMode mode) { mode_.store(mode); }
 
+  // Step placement (step_placement.h): while on, each training step's large blocks go where the
+  // step before showed they block nothing later. end_step() marks a step's end (the runtime's step
+  // trace); turning it off forgets what was learned.
+  void set_step_placement(bool on);
+  bool step_placement() const;
+  void end_step();
+
   ArenaStats stats() const;
   void reset_peak();
   std::vector<Block> blocks() const;  // copies, address order (main region, then small)
@@ -134,6 +142,7 @@ class Arena {
   std::atomic<int> handlers_running_{0};  // frees while > 0 count as released blocks
   ArenaStats stats_;
   std::unique_ptr<History> history_;  // null: not recording
+  std::unique_ptr<StepPlacement> placement_;  // null: best fit alone
 };
 
 }  // namespace pymem

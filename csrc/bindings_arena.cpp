@@ -75,6 +75,8 @@ py::dict stats_dict(const ArenaStats& s) {
   d["num_compactions"] = s.num_compactions;
   d["num_moved_blocks"] = s.num_moved_blocks;
   d["moved_bytes"] = s.moved_bytes;
+  d["num_placed_as_planned"] = s.num_placed_as_planned;
+  d["num_displaced_from_plan"] = s.num_displaced_from_plan;
   // Fragmentation three ways: now (1 - largest free / total free), GMLake's (1 - peak / budget),
   // and Coop's (free bytes / budget at each pressure event, averaged).
   d["fragmentation.largest_free"] =
@@ -269,6 +271,11 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
            "no fit; it should release blocks (free them), after which the arena retries.")
       .def_property("search", [](const Arena& a) { return mode_name(a.mode()); },
                     [](Arena& a, const std::string& s) { a.set_mode(parse_mode(s)); })
+      .def_property("step_placement", &Arena::step_placement, &Arena::set_step_placement,
+                    "Whether each step's large blocks go where the step before showed they block nothing\n"
+                    "later (step_placement.h); turning it off forgets what was learned.")
+      .def("end_step", &Arena::end_step,
+           "A training step ended: the step placement plans the next from it (nothing while off).")
       .def("stats", [](const Arena& a) { return stats_dict(a.stats()); })
       .def("reset_peak_memory_stats", &Arena::reset_peak)
       .def("blocks", &Arena::blocks, "Copies of every block, in address order.")

@@ -42,6 +42,7 @@ Block* Arena::relocate_locked(Block* b, Block* fb, uintptr_t to) {
   nb->owner = keep.owner;
   nb->cost = keep.cost;
   nb->requested = keep.requested;
+  nb->serial = keep.serial;
   allocated_.insert(to, nb);
   stats_.num_moved_blocks++;
   stats_.moved_bytes += keep.size;

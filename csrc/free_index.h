@@ -25,6 +25,11 @@ class FreeIndex {
   // Smallest block with size >= n, lowest address among equals; null if none.
   Block* best_fit(size_t n) const;
   size_t largest() const;
+  // The free block that holds all of [addr, addr + n), or null. Scans the blocks of size >= n (a
+  // region holds few free blocks): the step placement's lookup (step_placement.h), not the fast path.
+  Block* covering(uintptr_t addr, size_t n) const;
+  // The free block of size >= n with the highest address, or null (same scan).
+  Block* highest(size_t n) const;
   bool empty() const { return count_ == 0; }
   size_t count() const { return count_; }
 

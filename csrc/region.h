@@ -32,6 +32,18 @@ class Region {
   // Allocate exactly [addr, addr + rounded) out of the free block `fb`, which must cover it; the
   // parts of fb below and above stay free. Compaction's placement (Arena::compact).
   Block* carve(Block* fb, uintptr_t addr, size_t rounded);
+  // Allocate exactly [addr, addr + rounded) if one free block covers it; else null (the step
+  // placement's planned offset, step_placement.h).
+  Block* allocate_at(uintptr_t addr, size_t rounded) {
+    Block* fb = free_.covering(addr, rounded);
+    return fb ? carve(fb, addr, rounded) : nullptr;
+  }
+  // Allocate at the top of the highest free block that holds `rounded` bytes, or null: where blocks
+  // the step placement did not plan stay out of the planned ones' way (those fill from the bottom).
+  Block* allocate_top(size_t rounded) {
+    Block* fb = free_.highest(rounded);
+    return fb ? carve(fb, fb->addr + fb->size - rounded, rounded) : nullptr;
+  }
 
   Block* first() const { return first_; }
   uintptr_t base() const { return base_; }

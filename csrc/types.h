@@ -61,7 +61,10 @@ struct alignas(64) Block {
   bool allocated = false;
   bool pinned = false;      // must not be released now (e.g. an input of the running op)
   RegionKind region = RegionKind::Main;
-  uint32_t index_pos = 0;   // free blocks: slot in the free index's per-size heap (free_index.h)
+  union {
+    uint32_t index_pos = 0;  // free blocks: slot in the free index's per-size heap (free_index.h)
+    uint32_t serial;         // allocated main-region blocks, while a step placement records (step_placement.h)
+  };
 };
 
 // A block the pressure handler is asked to release.
@@ -101,6 +104,9 @@ struct ArenaStats {
   uint64_t num_moved_blocks = 0, moved_bytes = 0;  // what compaction moved
   // Coop's fragmentation measure: sum over pressure events of free_bytes / budget.
   double pressure_free_ratio_sum = 0.0;
+  // Step placement (step_placement.h): allocations that took their planned offset, and planned
+  // ones whose range was taken (placed by best fit instead).
+  uint64_t num_placed_as_planned = 0, num_displaced_from_plan = 0;
 };
 
 // Which of pymem's CPU allocator hooks holds PyTorch's CPU allocator slot (allocator_install.h).

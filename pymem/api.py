@@ -208,7 +208,8 @@ def memory_stats() -> dict:
     on the CPU, in the calling thread).
     With the arena: ``requested_bytes.current``, ``pinned_bytes.current``, ``free_bytes``,
     ``largest_free_block``, ``fragmentation.largest_free`` / ``.peak`` / ``.pressure``,
-    ``num_pressure_events``, ``num_compactions``, ``num_moved_blocks``, ``moved_bytes``, ...
+    ``num_pressure_events``, ``num_compactions``, ``num_moved_blocks``, ``moved_bytes``,
+    ``num_placed_as_planned`` / ``num_displaced_from_plan`` (the step placement's, with ``plan="auto"``), ...
     With ``allocator="native"``: ``num_refused``; on CUDA also ``reserved_bytes.current`` / ``.peak``
     (what the cap holds). With ``cost="estimate"``, ``remat_seconds`` sums the recomputed ops'
     estimates."""

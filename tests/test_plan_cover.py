@@ -108,7 +108,8 @@ def test_bad_step_arrays_are_a_clear_error(cover):
 def test_a_cover_plan_trains_bitwise_equal_in_budget_and_repeats(managed):
     """Through the trials of each way of planning (csrc/plan_choice.h), the cover's two among them:
     the cover's values are released at their last forward use (with evicted readers, which it priced) and recomputed
-    in backward bitwise; with fixed costs two runs decide alike."""
+    in backward bitwise; with fixed costs two runs decide alike. The steps' large blocks take the
+    offsets the step before planned for them (csrc/step_placement.h) and place alike too."""
     import runtime_models as rm
 
     steps = 8
@@ -120,8 +121,19 @@ def test_a_cover_plan_trains_bitwise_equal_in_budget_and_repeats(managed):
         assert_bitwise_equal("parameters", ref_state, state)
         assert stats["allocated_bytes.peak"] <= budget
         assert stats["plan_cover_steps"] >= 2 and stats["num_planned_releases"] > 0, stats
-    keys = ("num_evictions", "num_rematerializations", "num_planned_releases", "plan_cover_steps", "moved_bytes")
+        assert stats["num_placed_as_planned"] > 0, stats
+    keys = ("num_evictions", "num_rematerializations", "num_planned_releases", "plan_cover_steps", "moved_bytes",
+            "num_placed_as_planned", "num_displaced_from_plan")
     assert [runs[0][2][k] for k in keys] == [runs[1][2][k] for k in keys]
+
+
+def test_the_step_placement_is_on_with_the_plan_and_off_without(managed):
+    rt = pymem.enable(budget="64MB", device="cpu", plan="auto")
+    assert rt.arena.step_placement
+    pymem.disable()
+    rt = pymem.enable(budget="64MB", device="cpu", plan="off")
+    assert not rt.arena.step_placement
+    assert pymem.memory_stats()["num_placed_as_planned"] == 0
 
 
 def test_offloading_keeps_the_learned_plan(managed):

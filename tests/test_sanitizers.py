@@ -17,7 +17,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # setup.py's EXT_SOURCES less the torch side (allocator_install, hook_*, storage): those need libtorch.
-SOURCES = ["arena.cpp", "compact.cpp", "history.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "window.cpp", "backing.cpp",
+SOURCES = ["arena.cpp", "compact.cpp", "history.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "step_placement.cpp", "window.cpp", "backing.cpp",
            "bench.cpp", "bindings_arena.cpp", "bindings.cpp"]
 
 
@@ -91,7 +91,7 @@ def _run_tests_clean(tests, env, skip=None):
 def test_arena_tests_pass_under_asan_and_ubsan(asan_module):
     _assert_instrumented(asan_module)
     proc, report = _run_tests_clean(["test_arena_properties.py", "test_window.py", "test_arena_errors.py",
-                                     "test_threads.py", "test_compaction.py"],
+                                     "test_threads.py", "test_compaction.py", "test_step_placement.py"],
                                     _sanitized_env(PYMEM_ARENA_MODULE=asan_module))
     assert "skipped" not in proc.stdout, report
 

@@ -198,6 +198,8 @@ class Runtime(_C.RuntimeBase):
             # (allocator="native" has no arena: the cap is the budget's.)
             small = self.arena.small_region_size if self.arena is not None else 0
             self.trace.budget = budget - small if self.swap is None else 0
+            if self.arena is not None:  # each step's large blocks placed where the step before showed room
+                self.arena.step_placement = True
         self.lock = _C.RuntimeLock()  # threading.RLock's contract; the fast path takes it without a call
         self.threads = ThreadCoverage(self, self.interception)
         self.raw_access = RawAccess(self)
@@ -622,6 +624,8 @@ class Runtime(_C.RuntimeBase):
         the next from it."""
         with self.lock:
             self.trace.end_step(self._moved_seconds())
+            if self.arena is not None:
+                self.arena.end_step()  # the step placement plans the next (nothing while off)
             if self.swap is not None:
                 self.swap.end_step()
 

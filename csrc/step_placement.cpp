@@ -1,0 +1,95 @@
+// step_placement.cpp — the step's recorded lifetimes, and offsets for the next step (see step_placement.h).
+#include "step_placement.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace pymem {
+
+int64_t StepPlacement::planned_offset(size_t rounded) {
+  if (diverged_) return -1;
+  // The plan's next allocation of this size within kLookahead: a step that ran an allocation more
+  // or less (a recompute the step before did not need) keeps its place in the plan.
+  const size_t end = std::min(plan_.size(), next_ + kLookahead);
+  for (size_t k = next_; k < end; ++k)
+    if (plan_size_[k] == rounded) {
+      matched_ = k;
+      return plan_[k];
+    }
+  matched_ = SIZE_MAX;
+  if (next_ < plan_.size()) diverged_ = true;
+  return -1;
+}
+
+uint32_t StepPlacement::allocated(size_t rounded) {
+  if (matched_ != SIZE_MAX) next_ = matched_ + 1;
+  matched_ = SIZE_MAX;
+  now_.size.push_back(rounded);
+  now_.allocated_at.push_back(clock_++);
+  now_.freed_at.push_back(-1);
+  return next_serial_++;
+}
+
+void StepPlacement::freed(uint32_t serial) {
+  if (now_.holds(serial)) now_.freed_at[serial - now_.first_serial] = clock_;
+  else if (before_.holds(serial)) before_freed_at_[serial - before_.first_serial] = clock_;
+  ++clock_;
+}
+
+void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) {
+  struct Span {  // a block's bytes over a stretch of the next step's clock
+    size_t offset, size;
+    int64_t from, to;
+    bool meets(int64_t f, int64_t t) const { return from < t && f < to; }
+  };
+  std::vector<Span> placed;  // by offset
+  placed.reserve(live.size() + now_.size.size());
+  for (const Live& l : live) {
+    int64_t until = kNever;  // a survivor of this step: freed when its counterpart of the step before was
+    if (now_.holds(l.serial)) {
+      const size_t k = l.serial - now_.first_serial;
+      if (k < before_freed_at_.size() && before_.size[k] == now_.size[k] && before_freed_at_[k] >= 0)
+        until = before_freed_at_[k];
+    }
+    placed.push_back({l.offset, l.size, 0, until});
+  }
+  std::sort(placed.begin(), placed.end(), [](const Span& a, const Span& b) { return a.offset < b.offset; });
+
+  const size_t n = now_.size.size() <= kMaxPlanned ? now_.size.size() : 0;  // too long a step: no plan
+  std::vector<size_t> order(n);
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {  // largest first, then earliest
+    return now_.size[a] != now_.size[b] ? now_.size[a] > now_.size[b] : now_.allocated_at[a] < now_.allocated_at[b];
+  });
+  plan_.assign(n, -1);
+  for (const size_t k : order) {
+    const size_t size = now_.size[k];
+    const int64_t from = now_.allocated_at[k], to = now_.freed_at[k] >= 0 ? now_.freed_at[k] : kNever;
+    size_t cursor = 0;  // the lowest offset no block seen so far covers at [from, to)
+    size_t at = placed.size();  // where the new span goes in offset order
+    for (size_t i = 0; i < placed.size(); ++i) {
+      const Span& p = placed[i];
+      if (!p.meets(from, to)) continue;
+      if (p.offset >= cursor + size) {
+        at = i;
+        break;
+      }
+      cursor = std::max(cursor, p.offset + p.size);
+    }
+    if (cursor + size > region_size) continue;  // does not fit beside the rest: best fit decides
+    plan_[k] = static_cast<int64_t>(cursor);
+    while (at > 0 && placed[at - 1].offset > cursor) --at;  // keep offset order (at may lie past cursor)
+    placed.insert(placed.begin() + at, {cursor, size, from, to});
+  }
+  plan_size_ = n ? now_.size : std::vector<size_t>();
+  diverged_ = false;
+  next_ = 0;
+  matched_ = SIZE_MAX;
+  before_ = std::move(now_);
+  before_freed_at_.assign(before_.size.size(), -1);
+  now_ = Step();
+  now_.first_serial = next_serial_;
+  clock_ = 0;
+}
+
+}  // namespace pymem

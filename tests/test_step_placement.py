@@ -1,0 +1,153 @@
+"""Step placement (csrc/step_placement.h): while on, each step's large blocks go to the offsets the
+step before showed block nothing later, so a repeating step leaves its free bytes where the next
+request needs them and compaction has nothing to move. The plan only ever picks among free
+addresses: a step that differs from the one before is placed by best fit, and the arena's
+invariants hold whatever the steps do. Runs under ASan/UBSan too (test_sanitizers.py): only the
+arena module is used here; the runtime's use (on with plan="auto") is tested in test_plan_cover.py."""
+import ctypes
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arena_module import C
+from test_compaction import check_tiling
+
+MiB = 2 ** 20
+
+
+def _compacting_arena(budget, placement):
+    """A host arena with no small region whose pressure handler compacts every block (nothing is
+    releasable: what fragmentation costs shows as moved bytes). ``live`` maps names to addresses
+    and follows the moves."""
+    a = C.Arena(budget, "host", small_threshold=0, search="handler")
+    a.step_placement = placement
+    live = {}
+
+    def compact(request, window):
+        moved = dict(a.compact([b.addr for b in a.blocks() if b.allocated]))
+        for name, addr in live.items():
+            live[name] = moved.get(addr, addr)
+
+    a.set_pressure_handler(compact)
+    return a, live
+
+
+def _fragmenting_step(a, live):
+    """x, y, z of 1 MiB, x and z freed, then 2 MiB: in 3 MiB, best fit leaves the two free MiB
+    apart (x's and z's); placed with y at the top, they are one block."""
+    for name in "xyz":
+        live[name] = a.allocate(MiB)
+        ctypes.memset(live[name], ord(name), MiB)
+    a.free(live.pop("x"))
+    a.free(live.pop("z"))
+    live["w"] = a.allocate(2 * MiB)
+    assert ctypes.string_at(live["y"], MiB) == b"y" * MiB  # moved or not, y kept its bytes
+    a.free(live.pop("y"))
+    a.free(live.pop("w"))
+    a.end_step()
+
+
+def test_a_repeated_step_moves_nothing_after_the_first():
+    moved = {}
+    for placement in (False, True):
+        a, live = _compacting_arena(3 * MiB, placement)
+        per_step = []
+        for _ in range(4):
+            before = a.stats()["moved_bytes"]
+            _fragmenting_step(a, live)
+            per_step.append(a.stats()["moved_bytes"] - before)
+        moved[placement] = per_step
+        stats = a.stats()
+    assert moved[False] == [MiB] * 4  # best fit fragments every step
+    assert moved[True] == [MiB, 0, 0, 0]  # learned from the first step
+    assert stats["num_placed_as_planned"] == 3 * 4 and stats["num_displaced_from_plan"] == 0
+
+
+def test_a_block_that_outlives_its_step_is_planned_around_its_successor():
+    """g (a gradient) is made late in a step and freed early in the next, before the next g: the
+    plan puts the next g where the last one was, not beside it."""
+    a, live = _compacting_arena(4 * MiB, True)
+    addrs = []
+    for step in range(4):
+        if "g" in live:
+            a.free(live.pop("g"))  # zero_grad
+        live["act"] = a.allocate(2 * MiB)
+        live["g"] = a.allocate(MiB)
+        a.free(live.pop("act"))
+        addrs.append(live["g"] - a.base)
+        a.end_step()
+    assert addrs[2] == addrs[3]
+    assert a.stats()["num_displaced_from_plan"] == 0
+
+
+def test_off_forgets_what_was_learned_and_places_by_best_fit():
+    a, live = _compacting_arena(3 * MiB, True)
+    _fragmenting_step(a, live)
+    a.step_placement = False
+    assert not a.step_placement
+    before = a.stats()["moved_bytes"]
+    _fragmenting_step(a, live)
+    assert a.stats()["moved_bytes"] - before == MiB
+    a.step_placement = True  # a fresh plan: nothing learned yet
+    before = a.stats()["moved_bytes"]
+    _fragmenting_step(a, live)
+    assert a.stats()["moved_bytes"] - before == MiB
+
+
+def test_a_step_of_other_sizes_is_placed_by_best_fit():
+    a, live = _compacting_arena(3 * MiB, True)
+    _fragmenting_step(a, live)
+    for size in (512 * 1024, 1536 * 1024):  # none of the plan's sizes
+        live["v"] = a.allocate(size)
+        a.free(live.pop("v"))
+    stats = a.stats()
+    assert stats["num_placed_as_planned"] == 0 and stats["num_displaced_from_plan"] == 0
+    check_tiling(a)
+
+
+def test_a_step_too_long_to_plan_is_placed_by_best_fit():
+    """Planning is quadratic in a step's large allocations: a step of more than kMaxPlanned (8192)
+    gets no plan; one of exactly that many does."""
+    unit = 64 * 1024
+    for n, planned in ((8192, True), (8193, False)):
+        a = C.Arena(n * unit, "virtual", small_threshold=0)
+        a.step_placement = True
+        for _ in range(2):
+            blocks = [a.allocate(unit) for _ in range(n)]
+            for b in blocks:
+                a.free(b)
+            a.end_step()
+        assert (a.stats()["num_placed_as_planned"] == n) is planned
+        assert a.stats()["num_displaced_from_plan"] == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), steps=st.integers(2, 6), ops=st.integers(4, 40))
+def test_whatever_the_steps_blocks_keep_their_bytes_and_the_region_its_invariants(seed, steps, ops):
+    """Steps that repeat a random pattern with random changes: every live block keeps its bytes
+    (moves included), blocks never overlap, and the region stays tiled and coalesced."""
+    rnd = random.Random(seed)
+    unit = 64 * 1024
+    a, live = _compacting_arena(64 * unit, True)
+    pattern = [(rnd.choice("af"), rnd.randint(1, 8)) for _ in range(ops)]
+    fill = {}
+    serial = 0
+    for _ in range(steps):
+        step = [op if rnd.random() < 0.8 else ("a", rnd.randint(1, 8)) for op in pattern]
+        for kind, n in step:
+            if kind == "a" and sum(a.block_size(x) for x in live.values()) + n * unit <= 48 * unit:
+                serial += 1
+                live[serial] = a.allocate(n * unit)
+                fill[serial] = serial % 251
+                ctypes.memset(live[serial], fill[serial], n * unit)
+            elif kind == "f" and live:
+                name = rnd.choice(sorted(live))
+                a.free(live.pop(name))
+        for name, addr in live.items():
+            size = a.block_size(addr)
+            assert ctypes.string_at(addr, size) == bytes([fill[name]]) * size
+        spans = sorted((addr, a.block_size(addr)) for addr in live.values())
+        assert all(lo + size <= hi for (lo, size), (hi, _) in zip(spans, spans[1:]))
+        check_tiling(a)
+        a.end_step()
