@@ -111,6 +111,48 @@ void Arena::end_step() {
   placement_->end_step(live, main_->size());
 }
 
+void Arena::end_step(const std::vector<std::pair<uintptr_t, size_t>>& next_start) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!placement_) return;
+  std::vector<StepPlacement::Live> live;
+  const uintptr_t lo = main_->base(), hi = lo + main_->size();
+  for (const auto& [addr, size] : next_start) {
+    if (addr < lo || size > hi - lo || addr > hi - size)
+      throw InvalidArgument("a span the next step starts with must lie in the main region [" + std::to_string(lo) +
+                            ", " + std::to_string(hi) + "), got " + std::to_string(size) + " bytes at " +
+                            std::to_string(addr));
+    live.push_back({addr - lo, size, kNoSerial});
+  }
+  placement_->end_step(live, main_->size());
+}
+
+std::pair<std::vector<int64_t>, std::vector<size_t>> Arena::step_placement_plan() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!placement_) throw InvalidArgument("step placement is off: set step_placement = True first");
+  return {placement_->plan_offsets(), placement_->plan_sizes()};
+}
+
+void Arena::set_step_placement_plan(std::vector<int64_t> offsets, std::vector<size_t> sizes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!placement_) throw InvalidArgument("step placement is off: set step_placement = True first");
+  if (offsets.size() != sizes.size())
+    throw InvalidArgument("a step placement plan needs one size per offset, got " + std::to_string(offsets.size()) +
+                          " offsets and " + std::to_string(sizes.size()) + " sizes");
+  const size_t region = main_->size();
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const size_t size = sizes[k];
+    const int64_t at = offsets[k];
+    if (size == 0 || size % kAlignment != 0 || size > region)
+      throw InvalidArgument("a planned size must be a positive multiple of " + std::to_string(kAlignment) +
+                            " up to the main region's " + std::to_string(region) + " bytes, got " + std::to_string(size));
+    if (at != -1 && (at < 0 || static_cast<size_t>(at) % kAlignment != 0 || static_cast<size_t>(at) + size > region))
+      throw InvalidArgument("a planned offset must be -1 (none) or a multiple of " + std::to_string(kAlignment) +
+                            " whose block ends inside the main region's " + std::to_string(region) + " bytes, got " +
+                            std::to_string(at) + " for " + std::to_string(size) + " bytes");
+  }
+  placement_->set_plan(std::move(offsets), std::move(sizes));
+}
+
 uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double cost, bool pinned) {
   if (nbytes == 0) throw InvalidArgument("allocation size must be at least 1 byte, got 0");
   check_cost(cost);

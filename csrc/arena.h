@@ -101,6 +101,15 @@ class Arena {
   void set_step_placement(bool on);
   bool step_placement() const;
   void end_step();
+  // The same, planning around `next_start` (address, size: main-region spans) as the blocks the
+  // next step starts with and keeps, instead of the blocks allocated now: for a replay that starts
+  // every step afresh (the simulator's). Throws InvalidArgument for a span outside the main region.
+  void end_step(const std::vector<std::pair<uintptr_t, size_t>>& next_start);
+  // The plan for the next step (offsets, -1 for none, and sizes per allocation index), and one
+  // taken over from another arena. Throws InvalidArgument when placement is off or the plan does
+  // not fit this arena's main region.
+  std::pair<std::vector<int64_t>, std::vector<size_t>> step_placement_plan() const;
+  void set_step_placement_plan(std::vector<int64_t> offsets, std::vector<size_t> sizes);
 
   ArenaStats stats() const;
   void reset_peak();

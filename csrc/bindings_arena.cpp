@@ -4,6 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "arena.h"
 #include "backing.h"
 #include "cuda_table.h"
@@ -274,8 +276,22 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
       .def_property("step_placement", &Arena::step_placement, &Arena::set_step_placement,
                     "Whether each step's large blocks go where the step before showed they block nothing\n"
                     "later (step_placement.h); turning it off forgets what was learned.")
-      .def("end_step", &Arena::end_step,
-           "A training step ended: the step placement plans the next from it (nothing while off).")
+      .def(
+          "end_step",
+          [](Arena& a, std::optional<std::vector<std::pair<uintptr_t, size_t>>> next_start) {
+            if (next_start) a.end_step(*next_start);
+            else a.end_step();
+          },
+          py::arg("next_start") = py::none(),
+          "A training step ended: the step placement plans the next from it (nothing while off), around\n"
+          "the blocks allocated now, or around `next_start`, [(address, size)]: the blocks the next step\n"
+          "starts with, for a replay that starts each step afresh (the simulator).")
+      .def("step_placement_plan", &Arena::step_placement_plan,
+           "The step placement's plan for the next step: (offsets, sizes), one per large allocation in\n"
+           "order, offset -1 where best fit decides. Step placement must be on.")
+      .def("set_step_placement_plan", &Arena::set_step_placement_plan, py::arg("offsets"), py::arg("sizes"),
+           "Take over a plan (step_placement_plan() of an arena of the same budget that ran the step) for\n"
+           "the step now starting: how the simulator carries placement from one replay's arena to the next.")
       .def("stats", [](const Arena& a) { return stats_dict(a.stats()); })
       .def("reset_peak_memory_stats", &Arena::reset_peak)
       .def("blocks", &Arena::blocks, "Copies of every block, in address order.")

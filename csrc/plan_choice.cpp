@@ -14,6 +14,9 @@ void PlanChoice::reset() {
   streak_ = 0;
   probe_ = 0;
   probing_ = -1;
+  probe_left_ = 0;
+  awaiting_ = false;
+  last_ran_ = -1;
 }
 
 int PlanChoice::cheapest(int except) const {
@@ -31,9 +34,12 @@ int PlanChoice::cheapest(int except) const {
 
 void PlanChoice::measured(Releases ran, double cost) {
   const int w = at(ran);
-  latest_cost_[w] = cost;
+  const bool steady = w == last_ran_;  // the step before ran the same way: no switch in this measure
+  last_ran_ = w;
+  awaiting_ = false;
+  if (measured_steps_[w] < kTrialsEach || steady) latest_cost_[w] = cost;
   ++measured_steps_[w];
-  if (probing_ != w) return;
+  if (probing_ != w || --probe_left_ > 0) return;  // a probe's first step: its second measures the way
   probing_ = -1;
   if (cost > kFar * latest_cost_[cheapest(w)]) {  // far behind still: probed less often
     sit_out_[w] = next_sit_out_[w];
@@ -45,7 +51,11 @@ void PlanChoice::measured(Releases ran, double cost) {
 }
 
 PlanChoice::Releases PlanChoice::next(bool cover_allowed) {
-  probing_ = -1;
+  if (probing_ >= 0 && !awaiting_ && cover_allowed) {  // a probe's second step (its first was measured)
+    awaiting_ = true;
+    return static_cast<Releases>(probing_);
+  }
+  probing_ = -1;  // none, or its step left the plan (not measured): the probe is given up
   if (!cover_allowed) return Releases::kLearned;
   for (int w = 0; w < kWays; ++w)  // the trials, in the order of Releases
     if (measured_steps_[w] < kTrialsEach) return static_cast<Releases>(w);
@@ -64,6 +74,8 @@ PlanChoice::Releases PlanChoice::next(bool cover_allowed) {
       continue;
     }
     probing_ = w;
+    probe_left_ = kTrialsEach;
+    awaiting_ = true;
     return static_cast<Releases>(w);
   }
   return static_cast<Releases>(best);  // every other way sits this turn out

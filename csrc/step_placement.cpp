@@ -36,6 +36,14 @@ void StepPlacement::freed(uint32_t serial) {
   ++clock_;
 }
 
+void StepPlacement::set_plan(std::vector<int64_t> offsets, std::vector<size_t> sizes) {
+  plan_ = std::move(offsets);
+  plan_size_ = std::move(sizes);
+  next_ = 0;
+  matched_ = SIZE_MAX;
+  diverged_ = false;
+}
+
 void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) {
   struct Span {  // a block's bytes over a stretch of the next step's clock
     size_t offset, size;

@@ -53,6 +53,13 @@ class StepPlacement {
   // The step ended with `live` allocated in a main region of `region_size` bytes: plan the next.
   void end_step(const std::vector<Live>& live, size_t region_size);
 
+  // The plan for the next step: an offset (-1: none) and a size per allocation index. A fresh
+  // arena replaying the same step takes it over (the simulator's replays, one arena each).
+  const std::vector<int64_t>& plan_offsets() const { return plan_; }
+  const std::vector<size_t>& plan_sizes() const { return plan_size_; }
+  // Replaces the plan for the step now starting (validated by the caller: equal lengths, offsets
+  // -1 or inside the region).
+  void set_plan(std::vector<int64_t> offsets, std::vector<size_t> sizes);
   int64_t num_planned() const { return static_cast<int64_t>(plan_.size()); }  // allocations of the step's plan
   int64_t num_placed() const { return num_placed_; }    // blocks that got their planned offset
   int64_t num_displaced() const { return num_displaced_; }  // planned ones whose range was taken

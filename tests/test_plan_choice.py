@@ -21,45 +21,72 @@ def _choices(costs, steps=len(TRIALS) + 6, cover_allowed=True):
     return out
 
 
-def test_each_way_is_tried_twice_then_the_cheapest_runs_with_a_probe_of_another_every_five_steps():
+def test_each_way_is_tried_twice_then_the_cheapest_runs_with_two_steps_of_another_every_five():
     assert pymem._C.PlanChoice.TRIAL_STEPS == len(TRIALS)
     costs = {"learned": 1.2, "cover": 1.3, "rebuild": 1.35, "belady": 1.4, "greedy": 1.0}
-    # The probes measure the other ways in turn (the cheapest skipped).
-    assert _choices(costs, steps=len(TRIALS) + 30) == \
-        TRIALS + ["greedy"] * 5 + ["learned"] + ["greedy"] * 5 + ["cover"] + ["greedy"] * 5 + ["rebuild"] + \
-        ["greedy"] * 5 + ["belady"] + ["greedy"] * 5 + ["learned"]
+    # The probes measure the other ways in turn (the cheapest skipped), two steps each: the second
+    # follows a step run the same way.
+    assert _choices(costs, steps=len(TRIALS) + 34) == \
+        TRIALS + ["greedy"] * 5 + ["learned"] * 2 + ["greedy"] * 5 + ["cover"] * 2 + ["greedy"] * 5 + \
+        ["rebuild"] * 2 + ["greedy"] * 5 + ["belady"] * 2 + ["greedy"] * 5 + ["learned"]
     for cheapest in WAYS:
         costs = {w: 1.0 if w == cheapest else 1.2 for w in WAYS}
         assert _choices(costs)[len(TRIALS):len(TRIALS) + 5] == [cheapest] * 5
+
+
+def test_only_a_step_after_one_run_the_same_way_updates_its_measure():
+    """The first step after a switch pays for what the other way left (the step placement's plan
+    is the other way's): past the trials it changes nothing; the second step run that way does."""
+    c = pymem._C.PlanChoice()
+    costs = {"learned": 2.0, "cover": 1.0, "rebuild": 3.0, "belady": 3.0, "greedy": 3.0}
+    for _ in range(len(TRIALS)):
+        how = c.next(True)
+        c.measured(how, costs[how])
+    assert c.next(True) == "cover"
+    c.measured("cover", 9.0)  # after greedy's trial: a switch, not cover's own cost
+    assert c.next(True) == "cover"
+    c.measured("cover", 9.0)  # after cover: its cost now
+    assert c.next(True) == "learned"
 
 
 def test_a_way_far_behind_sits_out_probe_turns_twice_as_many_each_time():
     """A probe measuring over 1.5x the cheapest: its way sits out its next turn, then two, four,
     up to eight; one measuring near brings it back to every turn."""
     costs = {"learned": 1.2, "cover": 1.3, "rebuild": 1.3, "belady": 1.4, "greedy": 1.0}
-    got = _choices(dict(costs, belady=1.6), steps=len(TRIALS) + 6 * 15)[len(TRIALS):]
-    probes = [w for i, w in enumerate(got) if i % 6 == 5]
+    got = _choices(dict(costs, belady=1.6), steps=len(TRIALS) + 7 * 15)[len(TRIALS):]
+    probes = [w for i, w in enumerate(got) if i % 7 == 5]
+    assert all(got[i + 1] == w for i, w in enumerate(got) if i % 7 == 5)  # two steps each
     # belady's turns: probed (far), sits out 1, probed (far), sits out 2, probed, sits out 4 ...
     assert probes == ["learned", "cover", "rebuild", "belady", "learned", "cover", "rebuild", "learned", "cover",
                       "rebuild", "belady", "learned", "cover", "rebuild", "learned"]
     c = pymem._C.PlanChoice()
     way_costs = dict(costs, belady=1.6)
     seen = []
-    for step in range(len(TRIALS) + 6 * 12):
+    for step in range(len(TRIALS) + 7 * 12):
         how = c.next(True)
         if how == "belady" and step >= len(TRIALS):
             way_costs["belady"] = 1.1  # the program changed its mind: near again
         seen.append(how)
         c.measured(how, way_costs[how])
-    tail = [w for i, w in enumerate(seen[len(TRIALS):]) if i % 6 == 5]
+    tail = [w for i, w in enumerate(seen[len(TRIALS):]) if i % 7 == 5]
     assert tail[:8] == ["learned", "cover", "rebuild", "belady", "learned", "cover", "rebuild", "belady"]
 
 
 def test_every_other_way_sitting_out_leaves_the_cheapest_running():
     costs = {"learned": 3.0, "cover": 3.0, "rebuild": 3.0, "belady": 3.0, "greedy": 1.0}
-    got = _choices(costs, steps=len(TRIALS) + 30)[len(TRIALS):]
-    assert got == ["greedy"] * 5 + ["learned"] + ["greedy"] * 5 + ["cover"] + ["greedy"] * 5 + ["rebuild"] + \
-        ["greedy"] * 5 + ["belady"] + ["greedy"] * 6  # each sits its next turn out: no probe
+    got = _choices(costs, steps=len(TRIALS) + 34)[len(TRIALS):]
+    assert got == ["greedy"] * 5 + ["learned"] * 2 + ["greedy"] * 5 + ["cover"] * 2 + ["greedy"] * 5 + \
+        ["rebuild"] * 2 + ["greedy"] * 5 + ["belady"] * 2 + ["greedy"] * 6  # each sits its next turn out: no probe
+
+
+def test_a_probe_whose_first_step_left_its_plan_is_given_up():
+    """A probe step not measured (it diverged): the next step is the cheapest's again."""
+    c, costs = pymem._C.PlanChoice(), {"learned": 2.0, "cover": 3.0, "rebuild": 3.0, "belady": 4.0, "greedy": 1.0}
+    for _ in range(len(TRIALS) + 5):
+        how = c.next(True)
+        c.measured(how, costs[how])
+    assert c.next(True) == "learned"  # not measured
+    assert c.next(True) == "greedy"
 
 
 def test_a_probe_that_measures_cheaper_takes_over():
@@ -67,9 +94,10 @@ def test_a_probe_that_measures_cheaper_takes_over():
     for _ in range(len(TRIALS) + 5):
         how = c.next(True)
         c.measured(how, costs[how])
-    probe = c.next(True)
-    assert probe == "learned"
-    c.measured(probe, 0.5)  # the program got cheaper to run the learned way
+    for _ in range(2):  # the probe's two steps: the second measures the way
+        probe = c.next(True)
+        assert probe == "learned"
+        c.measured(probe, 0.5)  # the program got cheaper to run the learned way
     assert c.next(True) == "learned"
 
 

@@ -202,6 +202,31 @@ def test_plan_auto_replays_the_steps_the_runtime_runs_until_its_plan_settles():
     assert {s["plan"] for s in offloading["plan_steps"][1:]} == {"learned"}
 
 
+def _fragmenting_step():
+    """x, y, z of 1 MiB (made in the step, no recipe), x and z freed, then w of 2 MiB read with y:
+    best fit leaves the two free MiB apart and w fits only once y moves."""
+    ops = [("mk", 1.0, [], [0]), ("mk", 1.0, [], [1]), ("mk", 1.0, [], [2]), ("mk", 1.0, [], [3]),
+           ("use", 1.0, [1, 3], [4])]
+    values = [(MiB, 0, 0, 2), (MiB, 1, 0, 4), (MiB, 2, 0, 2), (2 * MiB, 3, 0, 4), (1024, 4, 0, -1)]
+    return _trace(ops, values)
+
+
+def test_a_replay_placed_by_the_plan_the_step_before_left_moves_nothing():
+    """The runtime's step placement (csrc/step_placement.h), carried from one replay's arena to the
+    next: the first step (nothing learned) moves y; the next takes the planned offsets and does not."""
+    t = _fragmenting_step()
+    first = Simulator(t, 4 * MiB, device=None, placement=([], []))
+    assert first.run()["moved_bytes"] == MiB
+    assert Simulator(t, 4 * MiB, device=None).run()["moved_bytes"] == MiB  # placement off: best fit
+    second = Simulator(t, 4 * MiB, device=None, placement=first.next_placement).run()
+    assert second["status"] == "ok" and second["moved_bytes"] == 0
+    assert second["placed_as_planned"] == 4 and second["displaced_from_plan"] == 0
+    with pytest.raises(ValueError, match=r"placement must be \(offsets, sizes\) of equal lengths"):
+        Simulator(t, 4 * MiB, device=None, placement=([0], []))
+    with pytest.raises(ValueError, match=r"a planned offset must be -1 \(none\) or a multiple of 512"):
+        Simulator(t, 4 * MiB, device=None, placement=([4 * MiB], [MiB])).run()
+
+
 def test_an_early_release_happens_right_after_its_op_and_comes_back_for_the_next_read():
     t = _forward_backward_chain()
     sim = Simulator(t, 1 << 30, policy="dtr", plan="auto", device=None, releases=[(2, 2)], releases_chains=True)

@@ -7,6 +7,8 @@ arena module is used here; the runtime's use (on with plan="auto") is tested in 
 import ctypes
 import random
 
+import pytest
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -79,6 +81,46 @@ def test_a_block_that_outlives_its_step_is_planned_around_its_successor():
         a.end_step()
     assert addrs[2] == addrs[3]
     assert a.stats()["num_displaced_from_plan"] == 0
+
+
+def test_a_plan_taken_over_by_a_fresh_arena_places_its_step_as_in_the_arena_that_learned_it():
+    """The simulator's use: each replay in its own arena, the plan carried over; and the step's end
+    planned around the blocks the next step starts with (next_start) rather than those left now."""
+    a, live = _compacting_arena(3 * MiB, True)
+    _fragmenting_step(a, live)
+    offsets, sizes = a.step_placement_plan()
+    assert sizes == [MiB, MiB, MiB, 2 * MiB] and len(offsets) == 4
+    b, live_b = _compacting_arena(3 * MiB, True)
+    b.set_step_placement_plan(offsets, sizes)
+    _fragmenting_step(b, live_b)
+    assert b.stats()["moved_bytes"] == 0 and b.stats()["num_placed_as_planned"] == 4
+    c, live_c = _compacting_arena(3 * MiB, True)
+    keep = c.allocate(MiB)  # the next step starts with this block: the plan goes around it
+    c.free(keep)
+    c.end_step(next_start=[(c.base, MiB)])
+    assert all(o == -1 or o >= MiB for o in c.step_placement_plan()[0])
+
+
+def test_bad_plans_and_spans_are_refused_and_nothing_changes():
+    a, live = _compacting_arena(3 * MiB, True)
+    _fragmenting_step(a, live)
+    plan = a.step_placement_plan()
+    for offsets, sizes, message in (
+            ([0], [], r"a step placement plan needs one size per offset, got 1 offsets and 0 sizes"),
+            ([0], [1000], r"a planned size must be a positive multiple of 512 up to the main region's 3145728 bytes, got 1000"),
+            ([512 * 7000], [MiB], r"a planned offset must be -1 \(none\) or a multiple of 512 whose block ends inside "
+                                  r"the main region's 3145728 bytes, got 3584000 for 1048576 bytes"),
+            ([-2], [MiB], r"a planned offset must be -1 \(none\).*got -2")):
+        with pytest.raises(ValueError, match=message):
+            a.set_step_placement_plan(offsets, sizes)
+    with pytest.raises(ValueError, match=r"a span the next step starts with must lie in the main region"):
+        a.end_step(next_start=[(a.base + 2 * MiB, 2 * MiB)])
+    assert a.step_placement_plan() == plan
+    a.step_placement = False
+    with pytest.raises(ValueError, match=r"step placement is off: set step_placement = True first"):
+        a.step_placement_plan()
+    with pytest.raises(ValueError, match=r"step placement is off"):
+        a.set_step_placement_plan([], [])
 
 
 def test_off_forgets_what_was_learned_and_places_by_best_fit():

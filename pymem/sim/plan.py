@@ -12,14 +12,15 @@ policy alone, as the first step).
 A replay is one step, so ``replay_planned`` replays the runtime's sequence of steps with the same
 C++ (``_C.learned_releases``, ``_C.cover_releases``, ``_C.rebuild_releases``, ``_C.PlanChoice``; the
 runtime's measure: the op costs of what came back plus the compactions' moves): the unplanned step, each
-way's trial steps, then the step the choice settles on, which the runtime then repeats. It
-reports that last step. Every step replayed must fit: the runtime raises at the first that does
+way's trial steps, then the step the choice settles on, twice, as the runtime repeats it. It
+reports that last step (the runtime's steady state: a step that follows one run the same way). Every step replayed must fit: the runtime raises at the first that does
 not, so the first replay that runs out of budget is the result.
 
-The covers depend only on the program and the budget, so their steps replay the same: each distinct
-step is replayed once, as are ``belady``'s and ``greedy``'s (the unplanned first step's). (The
-prefetch feedback carried from step to step, swap.py's, changes only where values are offloaded,
-and there the runtime plans learned only.)
+Every step is replayed, each in a fresh arena: what a step leaves the next besides its trace is
+carried over, as the runtime's arena and swapper carry it: the step placement's plan of offsets
+(csrc/step_placement.h, on with the plan: ``Simulator(placement=...)``), and swap.py's prefetch
+feedback. So a way's step replays differently after another way's than after its own, as in the
+runtime.
 """
 from typing import Dict, List, Tuple
 
@@ -70,6 +71,7 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     kw.pop("plan", None)
     lead: Dict[int, float] = {}  # swap.py's prefetch feedback, carried from step to step
     kw["lead"] = lead
+    kw["placement"] = ([], [])  # the runtime's first step: nothing placed yet
     first = Simulator(trace, budget, plan="off", **kw)  # the runtime's first step: no plan yet
     step = step_arrays(trace, first.seconds)
     covered = first.budget - first.arena.small_region_size  # what the runtime's covers plan for
@@ -80,6 +82,7 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     def run(sim: Simulator, how: str) -> Tuple[Dict, Dict, Dict]:
         out = sim.run()
         kw["copy_ahead"] = copy_ahead(trace, sim)
+        kw["placement"] = sim.next_placement
         cost = _C.comeback_cost(dict(step, back_at=sim.events["back_at"], back_value=sim.events["back_value"]))
         return out, sim.events, {"plan": how, "status": out["status"], "overhead": out["overhead"],
                                  "comeback_seconds": cost, "compaction_seconds": out["compaction_seconds"]}
@@ -88,23 +91,23 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     steps.append(summary)
     if trace.num_ops == 0:  # nothing to plan: the runtime follows no empty plan
         return dict(out, plan_releases=None, plan_steps=steps)
-    # The ways whose step is the same every time; greedy's is the unplanned first step's.
-    fixed: Dict[str, Tuple[Dict, Dict, Dict]] = {"greedy": (out, learned_from, dict(summary, plan="greedy"))}
+    covers = {how: COVERS[how](step, covered) for how in COVERS}  # the program's and budget's alone
 
     def simulator(how: str) -> Simulator:
         if how in COVERS:
-            return Simulator(trace, budget, plan="auto", releases=COVERS[how](step, covered),
-                             releases_chains=True, **kw)
+            return Simulator(trace, budget, plan="auto", releases=covers[how], releases_chains=True, **kw)
+        if how == "greedy":  # the policy alone, as the unplanned first step
+            return Simulator(trace, budget, plan="off", **kw)
         return Simulator(trace, budget, plan="auto", **kw)  # belady: next uses, no early release
 
-    for _ in range(_C.PlanChoice.TRIAL_STEPS + 1):  # the ways' trials, then the settled step
+    # The ways' trials, then the settled step twice: the runtime repeats it, and the second starts
+    # from a step run the same way (the step placement's plan, the learned plan's releases).
+    for _ in range(_C.PlanChoice.TRIAL_STEPS + 2):
         if out["status"] == "oom":
             break
         how = choice.next(cover_allowed)
         if how != "learned":
-            if how not in fixed:
-                fixed[how] = run(simulator(how), how)
-            out, _, summary = fixed[how]
+            out, _, summary = run(simulator(how), how)
         else:
             releases = _C.learned_releases(step, learned_from)
             out, learned_from, summary = run(Simulator(trace, budget, plan="auto", releases=releases, **kw), how)

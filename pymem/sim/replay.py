@@ -133,7 +133,8 @@ class Simulator:
                  device: Optional[str] = "h100", search: str = "handler", link_bytes_per_s: Optional[float] = None,
                  prefetch: bool = True, releases: Sequence[Tuple[int, int]] = (), releases_chains: bool = False,
                  lead: Optional[Dict[int, float]] = None, move_bytes_per_s: Optional[float] = None,
-                 copy_ahead: Optional[Dict[int, object]] = None) -> None:
+                 copy_ahead: Optional[Dict[int, object]] = None,
+                 placement: Optional[Tuple[Sequence[int], Sequence[int]]] = None) -> None:
         if plan not in ("auto", "off"):
             raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
         releases = [(int(k), int(v)) for k, v in releases]
@@ -150,6 +151,9 @@ class Simulator:
             raise ValueError(f"copy_ahead must map values of the trace (0..{trace.num_values - 1}) to the op "
                              f"after which their copy out may start (-1: the step's start), or to that and "
                              f"the position of their expected release; got {bad[:3]}")
+        if placement is not None and (len(placement) != 2 or len(placement[0]) != len(placement[1])):
+            raise ValueError("placement must be (offsets, sizes) of equal lengths, as "
+                             "Arena.step_placement_plan() gives them")
         if not isinstance(budget, (int, np.integer)) or budget <= 0:
             raise ValueError(f"budget must be a positive number of bytes, got {budget!r}")
         self.trace, self.budget = trace, int(budget) // _C.ALIGNMENT * _C.ALIGNMENT  # the arena's unit
@@ -172,6 +176,11 @@ class Simulator:
         # As the runtime's (hooks.py): the handler searches windows itself, when it wants one.
         self.arena = _C.Arena(self.budget, "virtual", search=search)
         self.arena.set_pressure_handler(self._on_pressure)
+        # The runtime's step placement (csrc/step_placement.h, on with its plan): the plan the step
+        # before left, taken over once the values made before the step are in; after the step,
+        # next_placement is the plan for the step after it.
+        self.placement = None if placement is None else ([int(x) for x in placement[0]], [int(x) for x in placement[1]])
+        self.next_placement: Optional[Tuple[List[int], List[int]]] = None
         self.neighbourhood = EvictedNeighbourhood()
         n, m = trace.num_ops, trace.num_values
         self.values: List[_Value] = [_Value(self, v, int(trace.value_bytes[v]), bool(trace.value_recomputable[v]))
@@ -821,11 +830,20 @@ class Simulator:
         try:
             for v in np.flatnonzero(t.value_producer < 0):  # made before the step: resident at its start
                 self._allocate(self.values[int(v)])
+            if self.placement is not None:
+                # The blocks every replayed step starts with: the next step's plan goes around them.
+                main_end = self.arena.base + self.budget - self.arena.small_region_size
+                self.step_start = [(b.addr, b.size) for b in self.arena.blocks() if b.allocated and b.addr < main_end]
+                self.arena.step_placement = True
+                self.arena.set_step_placement_plan(*self.placement)
             self._copy_ahead(-1)
             for k in range(t.num_ops):
                 self._run_op(k)
         except _OOM as e:
             status, error = "oom", str(e)
+        if self.placement is not None and status == "ok":
+            self.arena.end_step(self.step_start)
+            self.next_placement = self.arena.step_placement_plan()
         base = float(self.seconds.sum())
         total = base + self.recompute_seconds + self.copy_seconds + self.move_seconds
         overhead = total / base if base > 0 else 1.0
@@ -844,6 +862,8 @@ class Simulator:
                "compactions": int(st["num_compactions"]), "moved_bytes": int(st["moved_bytes"]),
                "compaction_seconds": self.move_seconds, "planned_releases": self.planned_releases,
                "retries": self.retries,
+               "placed_as_planned": int(st["num_placed_as_planned"]),
+               "displaced_from_plan": int(st["num_displaced_from_plan"]),
                "ops_run": self.position + (status != "oom"), "num_ops": t.num_ops}
         if error is not None:
             out["error"] = error
