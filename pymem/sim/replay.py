@@ -127,7 +127,10 @@ class _Value:
 
 class Simulator:
     """``Simulator(trace, budget, policy="dtr", offload="never", plan="off", device="h100").run()``
-    -> the result dict (see ``run``). ``device=None`` replays the costs the trace recorded."""
+    -> the result dict (see ``run``). ``device=None`` replays the costs the trace recorded.
+    ``placement``: the runtime's step placement (csrc/step_placement.h), on with the plan the step
+    before left, ``(offsets, sizes)`` as ``Arena.step_placement_plan()`` gives it (``([], [])``:
+    on, nothing learned yet; None: off); after ``run``, ``next_placement`` is the next step's."""
 
     def __init__(self, trace: Trace, budget: int, policy: str = "dtr", offload: str = "never", plan: str = "off",
                  device: Optional[str] = "h100", search: str = "handler", link_bytes_per_s: Optional[float] = None,
