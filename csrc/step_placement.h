@@ -60,7 +60,6 @@ class StepPlacement {
   // Replaces the plan for the step now starting (validated by the caller: equal lengths, offsets
   // -1 or inside the region).
   void set_plan(std::vector<int64_t> offsets, std::vector<size_t> sizes);
-  int64_t num_planned() const { return static_cast<int64_t>(plan_.size()); }  // allocations of the step's plan
   int64_t num_placed() const { return num_placed_; }    // blocks that got their planned offset
   int64_t num_displaced() const { return num_displaced_; }  // planned ones whose range was taken
   void count_placed(bool placed) {
