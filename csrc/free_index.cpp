@@ -119,26 +119,27 @@ Block* FreeIndex::best_fit(size_t n) const {
   return it == large_.end() ? nullptr : it->second;
 }
 
-Block* FreeIndex::covering(uintptr_t addr, size_t n) const {
-  auto covers = [&](const Block* b) { return b->addr <= addr && addr + n <= b->addr + b->size; };
+template <class Visit>
+Block* FreeIndex::find_at_least(size_t n, Visit visit) const {
   if (n <= kMaxBinned)
     for (size_t bin = first_bin_at_least(bin_of(n)); bin < kBins; bin = first_bin_at_least(bin + 1))
       for (Block* b : heaps_[bin])
-        if (covers(b)) return b;
+        if (visit(b)) return b;
   for (auto it = large_.lower_bound(std::make_pair(n, uintptr_t(0))); it != large_.end(); ++it)
-    if (covers(it->second)) return it->second;
+    if (visit(it->second)) return it->second;
   return nullptr;
+}
+
+Block* FreeIndex::covering(uintptr_t addr, size_t n) const {
+  return find_at_least(n, [&](const Block* b) { return b->addr <= addr && addr + n <= b->addr + b->size; });
 }
 
 Block* FreeIndex::highest(size_t n) const {
   Block* best = nullptr;
-  auto take = [&](Block* b) {
+  find_at_least(n, [&](Block* b) {
     if (!best || b->addr > best->addr) best = b;
-  };
-  if (n <= kMaxBinned)
-    for (size_t bin = first_bin_at_least(bin_of(n)); bin < kBins; bin = first_bin_at_least(bin + 1))
-      for (Block* b : heaps_[bin]) take(b);
-  for (auto it = large_.lower_bound(std::make_pair(n, uintptr_t(0))); it != large_.end(); ++it) take(it->second);
+    return false;
+  });
   return best;
 }
 

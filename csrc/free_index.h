@@ -25,8 +25,9 @@ class FreeIndex {
   // Smallest block with size >= n, lowest address among equals; null if none.
   Block* best_fit(size_t n) const;
   size_t largest() const;
-  // The free block that holds all of [addr, addr + n), or null. Scans the blocks of size >= n (a
-  // region holds few free blocks): the step placement's lookup (step_placement.h), not the fast path.
+  // The free block that holds all of [addr, addr + n), or null. Scans the blocks of size >= n: the
+  // step placement's lookup on each large allocation (step_placement.h; with ~50 free blocks it
+  // added 0.07 us to a 0.67 us allocate from Python: a region holds few free blocks).
   Block* covering(uintptr_t addr, size_t n) const;
   // The free block of size >= n with the highest address, or null (same scan).
   Block* highest(size_t n) const;
@@ -34,6 +35,9 @@ class FreeIndex {
   size_t count() const { return count_; }
 
  private:
+  // Calls visit(b) for each free block of size >= n until it returns true; returns that block.
+  template <class Visit>
+  Block* find_at_least(size_t n, Visit visit) const;
   static constexpr size_t kMaxBinned = 8u << 20;               // 8 MiB
   static constexpr size_t kBins = kMaxBinned / kAlignment + 1;  // bin i holds size i * 512
   static constexpr size_t kWords = (kBins + 63) / 64;

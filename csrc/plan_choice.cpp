@@ -15,7 +15,7 @@ void PlanChoice::reset() {
   probe_ = 0;
   probing_ = -1;
   probe_left_ = 0;
-  awaiting_ = false;
+  asked_ = false;
   last_ran_ = -1;
 }
 
@@ -36,7 +36,7 @@ void PlanChoice::measured(Releases ran, double cost) {
   const int w = at(ran);
   const bool steady = w == last_ran_;  // the step before ran the same way: no switch in this measure
   last_ran_ = w;
-  awaiting_ = false;
+  asked_ = false;
   if (measured_steps_[w] < kTrialsEach || steady) latest_cost_[w] = cost;
   ++measured_steps_[w];
   if (probing_ != w || --probe_left_ > 0) return;  // a probe's first step: its second measures the way
@@ -51,11 +51,13 @@ void PlanChoice::measured(Releases ran, double cost) {
 }
 
 PlanChoice::Releases PlanChoice::next(bool cover_allowed) {
-  if (probing_ >= 0 && !awaiting_ && cover_allowed) {  // a probe's second step (its first was measured)
-    awaiting_ = true;
-    return static_cast<Releases>(probing_);
+  if (asked_) {  // the step asked for last was not measured (it left its plan): nothing follows on from it
+    last_ran_ = -1;
+    probing_ = -1;
   }
-  probing_ = -1;  // none, or its step left the plan (not measured): the probe is given up
+  asked_ = true;
+  if (probing_ >= 0 && cover_allowed) return static_cast<Releases>(probing_);  // a probe's second step
+  probing_ = -1;
   if (!cover_allowed) return Releases::kLearned;
   for (int w = 0; w < kWays; ++w)  // the trials, in the order of Releases
     if (measured_steps_[w] < kTrialsEach) return static_cast<Releases>(w);
@@ -75,7 +77,6 @@ PlanChoice::Releases PlanChoice::next(bool cover_allowed) {
     }
     probing_ = w;
     probe_left_ = kTrialsEach;
-    awaiting_ = true;
     return static_cast<Releases>(w);
   }
   return static_cast<Releases>(best);  // every other way sits this turn out

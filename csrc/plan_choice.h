@@ -65,7 +65,7 @@ class PlanChoice {
   int probe_ = 0;       // the way the next probe turn starts from, in turn over the others
   int probing_ = -1;    // the way being probed (-1: none)
   int64_t probe_left_ = 0;  // its steps still to be measured
-  bool awaiting_ = false;   // next() gave a probe step that measured() has not seen yet
+  bool asked_ = false;      // next() gave a step that measured() has not seen yet
   int last_ran_ = -1;       // the way of the step measured last
   int64_t sit_out_[kWays] = {};       // probe turns a way still sits out
   int64_t next_sit_out_[kWays] = {};  // turns it sits out if its next probe is far again (reset() sets 1)
