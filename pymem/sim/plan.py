@@ -13,8 +13,9 @@ A replay is one step, so ``replay_planned`` replays the runtime's sequence of st
 C++ (``_C.learned_releases``, ``_C.cover_releases``, ``_C.rebuild_releases``, ``_C.PlanChoice``; the
 runtime's measure: the op costs of what came back plus the compactions' moves): the unplanned step, each
 way's trial steps, then the step the choice settles on, twice, as the runtime repeats it. It
-reports that last step (the runtime's steady state: a step that follows one run the same way). Every step replayed must fit: the runtime raises at the first that does
-not, so the first replay that runs out of budget is the result.
+reports that last step (the runtime's steady state: a step that follows one run the same way).
+Every step replayed must fit: the runtime raises at the first that does not, so the first replay
+that runs out of budget is the result.
 
 Every step is replayed, each in a fresh arena: what a step leaves the next besides its trace is
 carried over, as the runtime's arena and swapper carry it: the step placement's plan of offsets

@@ -184,6 +184,8 @@ class Simulator:
         # next_placement is the plan for the step after it.
         self.placement = None if placement is None else ([int(x) for x in placement[0]], [int(x) for x in placement[1]])
         self.next_placement: Optional[Tuple[List[int], List[int]]] = None
+        self.step_start: List[Tuple[int, int]] = []  # (address, size) of the blocks the step starts with
+        self.main_end = self.arena.base + self.budget - self.arena.small_region_size  # the small region above
         self.neighbourhood = EvictedNeighbourhood()
         n, m = trace.num_ops, trace.num_values
         self.values: List[_Value] = [_Value(self, v, int(trace.value_bytes[v]), bool(trace.value_recomputable[v]))
@@ -720,7 +722,7 @@ class Simulator:
     def _defragment(self) -> bool:
         """compaction.defragment_after_failure: every block that may move slides up against the
         next one that may not. True when something moved."""
-        main_hi = self.arena.base + self.budget - self.arena.small_region_size  # the small region never compacts
+        main_hi = self.main_end  # the small region never compacts
         movable = sorted(a for a, v in self.by_addr.items() if a < main_hi and v.busy == 0 and v.host_at <= self.clock)
         moved = self.arena.compact(movable)
         for old, new in moved:
@@ -835,8 +837,7 @@ class Simulator:
                 self._allocate(self.values[int(v)])
             if self.placement is not None:
                 # The blocks every replayed step starts with: the next step's plan goes around them.
-                main_end = self.arena.base + self.budget - self.arena.small_region_size
-                self.step_start = [(b.addr, b.size) for b in self.arena.blocks() if b.allocated and b.addr < main_end]
+                self.step_start = [(b.addr, b.size) for b in self.arena.blocks() if b.allocated and b.addr < self.main_end]
                 self.arena.step_placement = True
                 self.arena.set_step_placement_plan(*self.placement)
             self._copy_ahead(-1)
