@@ -235,7 +235,8 @@ def cmd_trace(args) -> int:
     except (ValueError, OSError) as e:
         print(f"pymem trace: {e}", file=sys.stderr)
         return 2
-    print(f"pymem trace: {trace.meta.get('model', args.model)}: {trace.num_ops} ops, {trace.num_values} values, "
+    batch = f" (batch {trace.meta['batch']})" if "batch" in trace.meta else ""  # figures differ by batch: say which
+    print(f"pymem trace: {trace.meta.get('model', args.model)}{batch}: {trace.num_ops} ops, {trace.num_values} values, "
           f"backward from op {trace.backward_at}, {trace.op_flops.sum() / 1e12:.1f} TFLOP, "
           f"peak {_fmt(trace.peak_bytes())} unmanaged -> {args.out}")
     return 0

@@ -3,6 +3,7 @@ policies and the virtual arena, the simrd reader, the GPU cost model's arithmeti
 recorded by the runtime replaying with the runtime's own release decisions."""
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -565,7 +566,7 @@ def test_sim_cli_replays_a_simrd_log(tmp_path, capsys):
     assert got["lower_bound"]["overhead"] == 1.0  # nothing has to be away above the peak
 
 
-def test_trace_of_a_transformers_config(tmp_path):
+def test_trace_of_a_transformers_config(tmp_path, capsys):
     pytest.importorskip("transformers")
     from pymem.sim.models import model_step
 
@@ -576,6 +577,9 @@ def test_trace_of_a_transformers_config(tmp_path):
     step()
     t = capture(step, meta)
     assert t.meta["seq"] == 64 and t.backward_at > 0 and t.op_flops.sum() > 0
+    # The CLI's summary names the batch: a model's figures depend on it, and each has its default.
+    assert cli.main(["trace", f"hf:{cfg}", "--batch", "3", "--out", str(tmp_path / "hf.npz")]) == 0
+    assert re.search(r"^pymem trace: hf:\S+ \(batch 3\): \d+ ops", capsys.readouterr().out)
     with pytest.raises(ValueError, match="unknown transformers model type 'nonesuch'"):
         model_step("hf:nonesuch")
 
