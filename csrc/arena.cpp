@@ -68,16 +68,12 @@ Arena::Arena(std::unique_ptr<Backing> backing, const ArenaConfig& config)
 Arena::~Arena() = default;
 
 Block* Arena::try_allocate_locked(size_t rounded, CostClass cls) {
-  if (rounded <= small_threshold_) {
+  const bool small = rounded <= small_threshold_;
+  if (small) {
     if (Block* b = small_->allocate(rounded, CostClass::Costly)) return b;
   }
-  if (!placement_) {
-    Block* b = main_->allocate(rounded, cls);
-    if (b) b->serial = kNoSerial;
-    return b;
-  }
-  if (rounded <= small_threshold_) {  // found its region full: not planned, kept out of the planned blocks' way
-    Block* b = main_->allocate_top(rounded);
+  if (!placement_ || small) {  // unplanned; a small one that found its region full stays out of the planned blocks' way
+    Block* b = placement_ ? main_->allocate_top(rounded) : main_->allocate(rounded, cls);
     if (b) b->serial = kNoSerial;
     return b;
   }
