@@ -25,6 +25,11 @@ small region (budget / 256, at most 64 MiB: requests of up to 16 KiB go there, s
 the rest): what pymem's arena leaves its plans. The gap between the two release-only optima is what
 that reserve costs.
 
+Beside the optima, the two lower bounds that bench/plan_ways.py computes for runtime steps far too
+long for this MILP (``recompute_lower_bound``, an LP, and ``recompute_lower_bound_lineage``), on the
+same trace as step arrays (pymem.sim.plan.step_arrays): a bound above the release-only optimum
+would be a wrong one (``recompute_lower_bounds``).
+
 Two traces: a 6-layer MLP (1024 wide, batch 8192) and a one-layer TinyGPT (d 256, 4 heads, seq 256,
 batch 8; in eval mode, as dropout writes in place), both on an H100's rates.
 
@@ -256,6 +261,149 @@ def recompute_lower_bound(step, budget, time_limit=120.0):
     return h.getInfo().objective_function_value, [stretches[i] for i in range(len(stretches)) if x[i] > 1e-6]
 
 
+def recompute_lower_bound_lineage(step, budget, depth=2, time_limit=120.0):
+    """``recompute_lower_bound``'s problem with lineage, as an integer program: a tighter lower
+    bound of any plan's recompute for ``step`` under ``budget`` bytes. Returns (the solver's proven
+    bound in seconds, or None when it found none in ``time_limit``; its status).
+
+    Each gap of a value (as there: between two of its uses, from its producer to its first use, or
+    the tail after its last) is cut where its readers, up to ``depth`` levels down, are used inside
+    it: a reader away until then is rerun there, and its producer reads the value. Each piece is
+    away or not (binary). A return costs the value's share of its producer's cost: at the gap's end
+    when the last piece is away (the value's own use), and at a cut when the piece before is away
+    and either the one after is there or a reader is rerun at the cut (back for that rerun, then
+    free to go again). A rerun after the program freed an input needs that input rebuilt: its
+    share, once per value (it may be kept from one rerun to the next), and so, once each, the
+    inputs of that one the program freed no later (dead by then too).
+
+    Why it stays a bound: a plan that brings a value back between cuts, or releases it inside a
+    piece, does no better than the piece away whole, back at its end (as many reruns, no more
+    bytes). Left out, each lowering the bound as the LP's relaxations do: needs where no cut is
+    (deeper than ``depth``), the bytes a rerun brings back, kernels' temporaries, fragmentation; a
+    piece away after a cut counts as away at the cut too. On this file's traces it never exceeds
+    the release-only optimum (the MLP at 0.8 of its peak: equal to it)."""
+    import highspy
+    import numpy as np
+
+    n, m = len(step["op"]), len(step["value_bytes"])
+    size = -(-np.asarray(step["value_bytes"], np.int64) // 512) * 512
+    producer = np.asarray(step["value_producer"])
+    recomputable = np.asarray(step["value_recomputable"]).astype(bool)
+    inputs_start, inputs = np.asarray(step["inputs_start"]), np.asarray(step["inputs"])
+    outputs_count = np.diff(np.asarray(step["outputs_start"]))
+    cost = np.asarray(step["op_cost"], np.float64)
+    free_at = np.asarray(step.get("value_free_at", []))
+    uses = [[] for _ in range(m)]
+    for k in range(n):
+        for v in sorted({int(v) for v in inputs[inputs_start[k]:inputs_start[k + 1]]}):
+            uses[v].append(k)
+    death = np.empty(m, np.int64)
+    delta = np.zeros(n + 1, np.int64)
+    for v in range(m):
+        last, p = (uses[v][-1] if uses[v] else -1), int(producer[v])
+        died = last if len(free_at) == 0 else (n - 1 if free_at[v] < 0 else int(free_at[v]))
+        death[v] = n - 1 if p < 0 else max(last, p, died)
+        delta[max(p, 0)] += size[v]
+        delta[death[v] + 1] -= size[v]
+    over = np.maximum(np.cumsum(delta)[:n] - budget, 0)
+    if not (over > 0).any():
+        return 0.0, "Optimal"
+    reads = [sorted({int(w) for w in inputs[inputs_start[p]:inputs_start[p + 1]]} - {v}) if p >= 0 else []
+             for v, p in enumerate(producer.tolist())]  # what rerunning v's producer reads
+    readers = [[] for _ in range(m)]
+    for u in range(m):
+        for w in reads[u]:
+            readers[w].append(u)
+    share = [cost[p] / max(int(outputs_count[p]), 1) if p >= 0 else 0.0 for p in producer.tolist()]
+    col_cost, integral = [], []
+    rows = []  # (lower, upper, [(column, coefficient)])
+    cover = [[] for _ in range(n)]
+
+    def column(c, integer):
+        col_cost.append(c)
+        integral.append(integer)
+        return len(col_cost) - 1
+
+    back = {}  # (value, its use t) -> the column of its return there
+    back_at_cut = {}  # (value, cut t) -> (the piece before t, the return column at t)
+    for v in range(m):
+        if producer[v] < 0 or not recomputable[v]:
+            continue
+        below, cuts = {v}, set()  # readers up to `depth` levels down, and where they are used
+        for _ in range(depth):
+            below = {u for x in below for u in readers[x]}
+            cuts.update(t for u in below for t in uses[u])
+        cuts = sorted(cuts)
+        prev, gaps = int(producer[v]), []
+        for u in uses[v]:
+            if u - prev >= 2:
+                gaps.append((prev, u, False))
+            prev = max(prev, u)
+        if death[v] > prev:
+            gaps.append((prev, int(death[v]) + 1, True))
+        for after, until, tail in gaps:
+            inner = [t for t in cuts if after < t < until]
+            ends = [after] + inner + [until]
+            pieces = []
+            for j in range(len(ends) - 1):
+                y = column(0.0, True)
+                pieces.append(y)
+                for k in range(ends[j] + 1 if j == 0 else ends[j], min(ends[j + 1], n)):
+                    if over[k] > 0:
+                        cover[k].append((y, min(size[v], over[k])))
+            for j, t in enumerate(inner):
+                r = column(share[v], False)
+                rows.append((0.0, np.inf, [(r, 1.0), (pieces[j], -1.0), (pieces[j + 1], 1.0)]))
+                back_at_cut[v, t] = (pieces[j], r)
+            if not tail:
+                r = column(share[v], False)
+                rows.append((0.0, np.inf, [(r, 1.0), (pieces[-1], -1.0)]))
+                back[v, until] = r
+    rebuilt = {}
+
+    def rebuild(w):  # w's column: rebuilt at least once; what it reads that died no later, too
+        if w not in rebuilt:
+            rebuilt[w] = column(share[w], False)
+            if not recomputable[w]:
+                rows.append((0.0, 0.0, [(rebuilt[w], 1.0)]))
+            for x in reads[w]:
+                if producer[x] >= 0 and death[x] <= death[w]:
+                    rows.append((0.0, np.inf, [(rebuild(x), 1.0), (rebuilt[w], -1.0)]))
+        return rebuilt[w]
+
+    for (u, t), r_u in list(back.items()) + [(k, r) for k, (_, r) in back_at_cut.items()]:
+        for w in reads[u]:
+            if producer[w] < 0:
+                continue
+            if t > death[w]:  # freed by the program: rebuilt for the rerun
+                rows.append((0.0, np.inf, [(rebuild(w), 1.0), (r_u, -1.0)]))
+            elif (w, t) in back_at_cut:  # back at the cut if away before it
+                before, r_w = back_at_cut[w, t]
+                rows.append((-1.0, np.inf, [(r_w, 1.0), (before, -1.0), (r_u, -1.0)]))
+    for k in np.flatnonzero(over > 0):
+        rows.append((float(over[k]), np.inf, [(c, float(x)) for c, x in cover[k]]))
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    nc = len(col_cost)
+    h.addVars(nc, np.zeros(nc), np.ones(nc))
+    h.changeColsCost(nc, np.arange(nc, dtype=np.int32), np.array(col_cost))
+    ints = np.flatnonzero(integral).astype(np.int32)
+    h.changeColsIntegrality(len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger))
+    starts, index, coef = [], [], []
+    for _, _, terms in rows:
+        starts.append(len(index))
+        index.extend(c for c, _ in terms)
+        coef.extend(x for _, x in terms)
+    upper = np.array([highspy.kHighsInf if np.isinf(hi) else hi for _, hi, _ in rows])
+    h.addRows(len(rows), np.array([lo for lo, _, _ in rows]), upper, len(index), np.array(starts, np.int32),
+              np.array(index, np.int32), np.array(coef, float))
+    h.run()
+    status = h.modelStatusToString(h.getModelStatus())
+    bound = h.getInfo().mip_dual_bound if status in ("Optimal", "Time limit reached") else None
+    return (bound if bound is not None and np.isfinite(bound) else None), status
+
+
 def _described(key, opt):
     """One solve() result in words: its recompute, and its proven lower bound where not solved."""
     if opt["recompute"] is None:
@@ -270,6 +418,7 @@ def main(argv=None) -> int:
 
     from pymem import _C
     from pymem.sim.capture import capture
+    from pymem.sim.plan import step_arrays
     from pymem.sim.replay import _op_seconds, simulate
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -320,6 +469,11 @@ def main(argv=None) -> int:
                       "milp_release_only_main_region": solve(mem, cost, deps, recomp, keep, main_region - constant,
                                                              args.time_limit, freed, release_only=True)}
             row = dict(optima)
+            # The bounds for steps far too long for the MILP, checked here against its optimum: never above it.
+            step_dict = step_arrays(trace, seconds)
+            bounds = {"lp": recompute_lower_bound(step_dict, budget)[0],
+                      "lineage": recompute_lower_bound_lineage(step_dict, budget, time_limit=args.time_limit)[0]}
+            row["recompute_lower_bounds"] = bounds
             for p in args.policies.split(","):
                 for plan in ("off", "auto"):
                     r = simulate(trace, budget, policy=p, plan=plan, device=args.device)
@@ -331,7 +485,8 @@ def main(argv=None) -> int:
                             if opt["recompute_proven_at_least"]:  # the multiple of the true optimum is at most this
                                 e[f"multiple_of_{key}_at_most"] = r["recompute_seconds"] / opt["recompute_proven_at_least"]
             rows[ratio] = row
-            print(f"{name} at {ratio}: " + "; ".join(_described(key, opt) for key, opt in optima.items()), flush=True)
+            print(f"{name} at {ratio}: " + "; ".join(_described(key, opt) for key, opt in optima.items()) + "; bounds "
+                  + ", ".join(f"{k} {v * 1e3:.3f} ms" if v is not None else f"{k} none" for k, v in bounds.items()), flush=True)
             print("  " + ", ".join(f"{k} {v['recompute_seconds'] * 1e3:.3f} ms" if v["status"] != "oom" else f"{k} oom"
                                    for k, v in row.items() if "/" in k), flush=True)
         out["traces"][name] = {"ops": trace.num_ops, "nodes": len(mem), "peak_bytes": peak, "rows": rows}
