@@ -269,12 +269,17 @@ def recompute_lower_bound_lineage(step, budget, depth=2, time_limit=120.0):
     Each gap of a value (as there: between two of its uses, from its producer to its first use, or
     the tail after its last) is cut where its readers, up to ``depth`` levels down, are used inside
     it: a reader away until then is rerun there, and its producer reads the value. Each piece is
-    away or not (binary). A return costs the value's share of its producer's cost: at the gap's end
-    when the last piece is away (the value's own use), and at a cut when the piece before is away
-    and either the one after is there or a reader is rerun at the cut (back for that rerun, then
-    free to go again). A rerun after the program freed an input needs that input rebuilt: its
-    share, once per value (it may be kept from one rerun to the next), and so, once each, the
-    inputs of that one the program freed no later (dead by then too).
+    away or not (binary). A value returns at the gap's end when the last piece is away (its own
+    use), and at a cut when the piece before is away and either the one after is there or a reader
+    is rerun at the cut (back for that rerun, then free to go again). A return is a rerun of its
+    producer, at that op's cost: any of its reruns since the value left (one brings all its outputs
+    back). Where the step records its
+    deaths (``value_free_at``: the simulator's traces, and the runtime's steps that followed their
+    plan; without them a value may outlive its last use), a rerun after the program freed a
+    recomputable input needs that input
+    rebuilt: once per value (it may be kept from one rerun to the next), in one of its producer's
+    reruns or one more, and so the inputs of that one the program freed no later (dead by then
+    too). An input without a recipe is there (the runtime holds what a recipe reads).
 
     Why it stays a bound: a plan that brings a value back between cuts, or releases it inside a
     piece, does no better than the piece away whole, back at its end (as many reruns, no more
@@ -290,7 +295,6 @@ def recompute_lower_bound_lineage(step, budget, depth=2, time_limit=120.0):
     producer = np.asarray(step["value_producer"])
     recomputable = np.asarray(step["value_recomputable"]).astype(bool)
     inputs_start, inputs = np.asarray(step["inputs_start"]), np.asarray(step["inputs"])
-    outputs_count = np.diff(np.asarray(step["outputs_start"]))
     cost = np.asarray(step["op_cost"], np.float64)
     free_at = np.asarray(step.get("value_free_at", []))
     uses = [[] for _ in range(m)]
@@ -308,13 +312,15 @@ def recompute_lower_bound_lineage(step, budget, depth=2, time_limit=120.0):
     over = np.maximum(np.cumsum(delta)[:n] - budget, 0)
     if not (over > 0).any():
         return 0.0, "Optimal"
-    reads = [sorted({int(w) for w in inputs[inputs_start[p]:inputs_start[p + 1]]} - {v}) if p >= 0 else []
-             for v, p in enumerate(producer.tolist())]  # what rerunning v's producer reads
+    # What rerunning v's producer reads: not the value an in-place op overwrote to make v (a rerun
+    # writes a blank buffer or a copy).
+    overwrote = np.asarray(step.get("value_overwrites", np.full(m, -1)))
+    reads = [sorted({int(w) for w in inputs[inputs_start[p]:inputs_start[p + 1]]} - {v, int(overwrote[v])})
+             if p >= 0 else [] for v, p in enumerate(producer.tolist())]
     readers = [[] for _ in range(m)]
     for u in range(m):
         for w in reads[u]:
             readers[w].append(u)
-    share = [cost[p] / max(int(outputs_count[p]), 1) if p >= 0 else 0.0 for p in producer.tolist()]
     col_cost, integral = [], []
     rows = []  # (lower, upper, [(column, coefficient)])
     cover = [[] for _ in range(n)]
@@ -323,6 +329,18 @@ def recompute_lower_bound_lineage(step, budget, depth=2, time_limit=120.0):
         col_cost.append(c)
         integral.append(integer)
         return len(col_cost) - 1
+
+    runs = {}  # (op, position) -> the column of its rerun there, at its cost: once for all its outputs
+    returns = []  # (op, gap start, position, column): a return needs a rerun in (start, position]
+
+    def rerun(v, after, t, r):  # return `r` of value v at t (away since `after` at the earliest)
+        key = (int(producer[v]), t)
+        if key not in runs:
+            runs[key] = column(cost[key[0]], False)
+        returns.append((key[0], after, t, r))
+        return r
+
+    rebuilds = {}  # op -> rebuild columns of its outputs (at some position: a rerun there, or one more)
 
     back = {}  # (value, its use t) -> the column of its return there
     back_at_cut = {}  # (value, cut t) -> (the piece before t, the return column at t)
@@ -352,34 +370,52 @@ def recompute_lower_bound_lineage(step, budget, depth=2, time_limit=120.0):
                     if over[k] > 0:
                         cover[k].append((y, min(size[v], over[k])))
             for j, t in enumerate(inner):
-                r = column(share[v], False)
+                r = rerun(v, after, t, column(0.0, False))
                 rows.append((0.0, np.inf, [(r, 1.0), (pieces[j], -1.0), (pieces[j + 1], 1.0)]))
                 back_at_cut[v, t] = (pieces[j], r)
             if not tail:
-                r = column(share[v], False)
+                r = rerun(v, after, until, column(0.0, False))
                 rows.append((0.0, np.inf, [(r, 1.0), (pieces[-1], -1.0)]))
                 back[v, until] = r
     rebuilt = {}
 
     def rebuild(w):  # w's column: rebuilt at least once; what it reads that died no later, too
         if w not in rebuilt:
-            rebuilt[w] = column(share[w], False)
-            if not recomputable[w]:
-                rows.append((0.0, 0.0, [(rebuilt[w], 1.0)]))
+            rebuilt[w] = column(0.0, False)
+            rebuilds.setdefault(int(producer[w]), []).append(rebuilt[w])
             for x in reads[w]:
-                if producer[x] >= 0 and death[x] <= death[w]:
+                if gone(x, death[w] + 1) and death[x] <= death[w]:
                     rows.append((0.0, np.inf, [(rebuild(x), 1.0), (rebuilt[w], -1.0)]))
         return rebuilt[w]
+
+    # Gone at t: freed by the program before. Not a value without a recipe (the runtime holds what a
+    # recipe reads), nor any where deaths were not observed (a value may outlive its last use, held
+    # by the program).
+    deaths_known = len(free_at) > 0
+
+    def gone(w, t):  # one op of slack: the runtime notes a death one op early where it cannot tell
+        return deaths_known and producer[w] >= 0 and recomputable[w] and t > death[w] + 1
 
     for (u, t), r_u in list(back.items()) + [(k, r) for k, (_, r) in back_at_cut.items()]:
         for w in reads[u]:
             if producer[w] < 0:
                 continue
-            if t > death[w]:  # freed by the program: rebuilt for the rerun
+            if gone(w, t):  # rebuilt for the rerun
                 rows.append((0.0, np.inf, [(rebuild(w), 1.0), (r_u, -1.0)]))
             elif (w, t) in back_at_cut:  # back at the cut if away before it
                 before, r_w = back_at_cut[w, t]
                 rows.append((-1.0, np.inf, [(r_w, 1.0), (before, -1.0), (r_u, -1.0)]))
+    # One rerun brings all of an op's outputs back: a return is one of its op's reruns since the
+    # value left (any there, not only one at its own position).
+    at_positions = {}
+    for (op, t), z in runs.items():
+        at_positions.setdefault(op, []).append((t, z))
+    for op, after, t, r in returns:
+        rows.append((0.0, np.inf, [(r, -1.0)] + [(z, 1.0) for u, z in at_positions[op] if after < u <= t]))
+    for op, cols in rebuilds.items():  # rebuilt: in one of the op's reruns, or one more of its own
+        extra = column(cost[op], False)
+        for r in cols:
+            rows.append((0.0, np.inf, [(extra, 1.0), (r, -1.0)] + [(z, 1.0) for _, z in at_positions.get(op, [])]))
     for k in np.flatnonzero(over > 0):
         rows.append((float(over[k]), np.inf, [(c, float(x)) for c, x in cover[k]]))
     h = highspy.Highs()

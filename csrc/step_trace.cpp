@@ -3,6 +3,7 @@
 
 #include "plan_cover.h"
 #include "record.h"
+#include "storage.h"
 
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -42,6 +43,10 @@ void check_step(const StepArrays& s) {
     bad("value_producer and value_recomputable need one entry per value (value_bytes)");
   if (!s.value_free_at.empty() && s.value_free_at.size() != m)
     bad("value_free_at, when given, needs one entry per value (value_bytes)");
+  if (!s.value_overwrites.empty() && s.value_overwrites.size() != m)
+    bad("value_overwrites, when given, needs one entry per value (value_bytes)");
+  for (int32_t w : s.value_overwrites)
+    if (w < -1 || (w >= 0 && static_cast<size_t>(w) >= m)) bad("value_overwrites must be a value index or -1");
   for (size_t v = 0; v < s.value_free_at.size(); ++v) {
     const int32_t f = s.value_free_at[v];
     if (f < -1 || (f >= 0 && static_cast<size_t>(f) >= n)) bad("value_free_at must be an op position or -1");
@@ -87,6 +92,7 @@ StepArrays step_from_dict(py::dict d) {
   get_key(d, "value_producer", s.value_producer);
   get_key(d, "value_recomputable", s.value_recomputable);
   if (d.contains("value_free_at")) get_key(d, "value_free_at", s.value_free_at);
+  if (d.contains("value_overwrites")) get_key(d, "value_overwrites", s.value_overwrites);
   check_step(s);
   return s;
 }
@@ -128,6 +134,7 @@ py::dict as_dict(const StepArrays& s) {
   d["value_producer"] = as_array(s.value_producer);
   d["value_recomputable"] = as_array(s.value_recomputable);
   if (!s.value_free_at.empty()) d["value_free_at"] = as_array(s.value_free_at);
+  if (!s.value_overwrites.empty()) d["value_overwrites"] = as_array(s.value_overwrites);
   d["released_at"] = as_array(s.released_at);
   d["released_value"] = as_array(s.released_value);
   d["back_at"] = as_array(s.back_at);
@@ -166,6 +173,11 @@ int32_t StepTrace::new_value(RecordObject* r, int32_t producer) {
   s.value_recomputable.push_back(r->recipe != nullptr && r->recipe != Py_None);
   r->trace_step = step();
   r->trace_value = v;
+  if (deaths_whole_) {
+    value_record_.push_back(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(r)));
+    free_at_.push_back(-1);
+    s.value_overwrites.push_back(-1);
+  }
   if (following_ && static_cast<size_t>(v) < offloaded_.size() && offloaded_[static_cast<size_t>(v)] != 0)
     ahead_.emplace_back(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(r)),
                         offloaded_at_[static_cast<size_t>(v)]);
@@ -184,13 +196,18 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
     ++num_dropped_;
     watched_.clear();
     following_ = false;
+    deaths_whole_ = false;
+    value_record_.clear();
   }
   StepArrays& s = current_;
   const auto k = static_cast<int32_t>(s.op.size());
   ahead_.clear();  // taken after the op before, or of no use now
   for (RecordObject* r : inputs)
     if (r != nullptr) s.inputs.push_back(value_of(r));
-  for (RecordObject* r : made) s.outputs.push_back(new_value(r, k));
+  for (RecordObject* r : made) {
+    s.outputs.push_back(new_value(r, k));
+    if (deaths_whole_ && !s.value_overwrites.empty()) s.value_overwrites.back() = overwritten(r, inputs);
+  }
   s.op.push_back(code);
   s.op_cost.push_back(cost);
   s.inputs_start.push_back(static_cast<int64_t>(s.inputs.size()));
@@ -199,10 +216,67 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
     following_ = false;
     ++num_divergences_;
   }
-  if (!following_) return false;
+  if (!following_) {
+    deaths_whole_ = false;
+    return false;
+  }
+  if (deaths_whole_) watch_deaths(k);
   const auto [first, last] = plan_.due_after(static_cast<size_t>(k));
   due_.assign(first, last);
   return !due_.empty() || !ahead_.empty();
+}
+
+int32_t StepTrace::overwritten(const RecordObject* made, c10::ArrayRef<RecordObject*> inputs) const {
+  // The runtime hands an overwritten input's storage to the record of what the op wrote there
+  // (run_op: the old record keeps no storage), before the op is booked.
+  for (RecordObject* r : inputs)
+    if (r != nullptr && r != made && storage_ref_of(r) == nullptr && r->nbytes == made->nbytes &&
+        r->trace_step == step() && r->trace_value >= 0)
+      return static_cast<int32_t>(r->trace_value);
+  return -1;
+}
+
+void StepTrace::watch_deaths(int32_t k) {
+  if (value_record_.size() != current_.value_bytes.size()) {  // a value made before it was watched
+    deaths_whole_ = false;
+    return;
+  }
+  // Alive when op k - 1 was booked, gone now: it died after op k - 1 or during op k. The earlier
+  // is taken (a plan then counts its bytes one op short at most, never more).
+  for (size_t i = 0; i < dying_.size();) {
+    const auto v = static_cast<size_t>(dying_[i]);
+    if (storage_alive(reinterpret_cast<const RecordObject*>(value_record_[v].ptr()))) {
+      ++i;
+      continue;
+    }
+    free_at_[v] = std::max(k - 1, current_.value_producer[v]);
+    value_record_[v] = py::object();
+    dying_[i] = dying_.back();
+    dying_.pop_back();
+  }
+  if (static_cast<size_t>(k) + 1 < last_use_start_.size())
+    for (int64_t i = last_use_start_[static_cast<size_t>(k)]; i < last_use_start_[static_cast<size_t>(k) + 1]; ++i)
+      if (static_cast<size_t>(last_use_values_[static_cast<size_t>(i)]) < value_record_.size())
+        dying_.push_back(last_use_values_[static_cast<size_t>(i)]);
+}
+
+void StepTrace::plan_deaths() {
+  const StepArrays& s = last_;
+  const size_t n = s.op.size(), m = s.value_bytes.size();
+  std::vector<int32_t> last(m, -1);
+  for (size_t v = 0; v < m; ++v) last[v] = s.value_producer[v];  // no use: from its making
+  for (size_t k = 0; k < n; ++k)
+    for (int64_t i = s.inputs_start[k]; i < s.inputs_start[k + 1]; ++i)
+      last[static_cast<size_t>(s.inputs[static_cast<size_t>(i)])] = static_cast<int32_t>(k);
+  last_use_start_.assign(n + 1, 0);
+  for (size_t v = 0; v < m; ++v)
+    if (s.value_producer[v] >= 0) ++last_use_start_[static_cast<size_t>(last[v]) + 1];
+  for (size_t k = 0; k < n; ++k) last_use_start_[k + 1] += last_use_start_[k];
+  last_use_values_.assign(static_cast<size_t>(last_use_start_[n]), 0);
+  std::vector<int64_t> fill(last_use_start_.begin(), last_use_start_.end() - 1);
+  for (size_t v = 0; v < m; ++v)
+    if (s.value_producer[v] >= 0)
+      last_use_values_[static_cast<size_t>(fill[static_cast<size_t>(last[v])]++)] = static_cast<int32_t>(v);
 }
 
 void StepTrace::note_offload(const RecordObject* r) {
@@ -243,6 +317,11 @@ py::list StepTrace::take_due() {
 }
 
 void StepTrace::end_step(double moved_seconds) {
+  if (deaths_whole_ && following_ && free_at_.size() == current_.value_bytes.size() &&
+      current_.value_overwrites.size() == current_.value_bytes.size())
+    current_.value_free_at = std::move(free_at_);
+  else
+    current_.value_overwrites.clear();
   last_ = std::move(current_);
   current_ = StepArrays();
   ++num_steps_;
@@ -253,6 +332,11 @@ void StepTrace::end_step(double moved_seconds) {
   if (planning_) plan_next(moved_seconds);
   following_ = planning_ && !plan_.empty();
   planned_step_ = following_;
+  value_record_.clear();
+  free_at_.clear();
+  dying_.clear();
+  deaths_whole_ = following_;
+  if (following_) plan_deaths();
 }
 
 void StepTrace::plan_next(double moved_seconds) {
@@ -293,6 +377,8 @@ void StepTrace::set_planning(bool on) {
   if (!on) {
     plan_ = StepPlan();
     following_ = false;
+    deaths_whole_ = false;
+    value_record_.clear();
   }
 }
 

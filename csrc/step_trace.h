@@ -23,6 +23,10 @@
 //                                optional: empty where deaths were not observed. A value can die
 //                                after its last use (autograd frees a backward temporary when its
 //                                node ends): without it, the plan takes its last use for its death.
+//                                The runtime records it for a step that followed its plan whole.
+//                value_overwrites[v]  the value whose storage v's producer wrote in place to make v
+//                                (-1: a fresh storage); optional, as value_free_at. A rerun of that
+//                                op does not read the value it overwrote (a blank buffer, or a copy).
 // A value's uses are the ops whose inputs list it (forward and backward alike).
 //   releases:    released_at[i], released_value[i]   while planning: value released_value[i] left
 //                memory (evicted or offloaded) while op released_at[i] ran (or after it, when the
@@ -139,6 +143,19 @@ class StepTrace {
   int64_t num_cover_steps_ = 0;
   std::unordered_map<int32_t, pybind11::object> watched_;  // value -> weakref to its record, this step
   std::vector<int32_t> due_;  // values due for release after the op just booked
+  // Deaths (value_free_at), observed while a step follows its plan from its start: a value is
+  // watched from its last use in the plan (its producer, if none) until its storage dies, so each
+  // op checks the few values past their last use that are still held, not every live one.
+  void watch_deaths(int32_t k);                 // after op k was booked
+  // The value of this step among `inputs` whose storage `made` is (an in-place op's), or -1.
+  int32_t overwritten(const RecordObject* made, c10::ArrayRef<RecordObject*> inputs) const;
+  void plan_deaths();                           // the plan's values by last use
+  std::vector<pybind11::object> value_record_;  // this step's records, by value (while watching)
+  std::vector<int32_t> free_at_;                // by value: the op after which it died; -1: alive
+  std::vector<int32_t> dying_;                  // values past their last use, still held
+  std::vector<int64_t> last_use_start_;         // by position: [start, end) of last_use_values_
+  std::vector<int32_t> last_use_values_;
+  bool deaths_whole_ = false;                   // watched since the step's start, plan followed
   // By value index: bit 0, offloaded in this step (note_offload); bit 1, in the step before.
   std::vector<uint8_t> offloaded_;
   std::vector<int32_t> offloaded_at_;  // by value index: the step position of its last note_offload

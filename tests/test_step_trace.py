@@ -93,3 +93,40 @@ def test_steps_are_marked_by_pymem_step_where_no_optimizer_steps(managed):
 def test_an_unknown_op_code_is_a_clear_error():
     with pytest.raises(IndexError, match="no op has code"):
         _C.op_name(1 << 30)
+
+
+def test_a_step_that_followed_its_plan_records_deaths_and_in_place_writes(managed):
+    """value_free_at: where each value's storage died, observed (a value may outlive its last use,
+    held by the program); value_overwrites: what an in-place op wrote over to make a value."""
+    torch.manual_seed(0)
+    w = torch.randn(64, 64)
+    x = torch.randn(32, 64, requires_grad=True)
+    pymem.enable(budget="64MB", device="cpu", cost=CostModel(3e10, 7e9, 4e-6), plan="auto")
+    for i in range(3):
+        a = x @ w            # read once, by tanh, then held until after the sum below
+        b = a.tanh()
+        c = (b * 2).sigmoid()  # b * 2: read once, by sigmoid, dropped at once
+        mask = torch.empty_like(c).bernoulli_(0.5)  # empty_like, then overwritten in place
+        s = (c * mask).sum()
+        del a
+        s.backward()
+        x.grad = None
+        pymem.step()
+        if i == 0:  # no plan to follow yet: deaths not watched
+            assert "value_free_at" not in pymem.step_trace() and "value_overwrites" not in pymem.step_trace()
+    st = pymem.step_trace()
+    pymem.disable()
+    names = [_C.op_name(int(k)) for k in st["op"]]
+    free_at, over, producer = st["value_free_at"], st["value_overwrites"], st["value_producer"]
+    assert len(free_at) == len(over) == len(st["value_bytes"])
+    first = lambda name: names.index(name)  # noqa: E731
+    out = lambda k: int(st["outputs"][st["outputs_start"][k]])  # noqa: E731
+    mm, tanh, mul, sig = first("aten.mm.default"), first("aten.tanh.default"), first("aten.mul.Tensor"), \
+        first("aten.sigmoid.default")
+    held, dropped = out(mm), out(mul)
+    reads = lambda v: [k for k in range(len(names)) if v in st["inputs"][st["inputs_start"][k]:st["inputs_start"][k + 1]]]  # noqa: E731
+    assert reads(held)[-1] == tanh and free_at[held] == first("aten.sum.default")  # held until `del a`
+    assert reads(dropped) == [sig] and free_at[dropped] == sig  # died as soon as sigmoid read it
+    bern = first("aten.bernoulli_.float")
+    assert over[out(bern)] == out(first("aten.empty_like.default")) and (over[producer >= 0] >= 0).sum() == 1
+    assert free_at[out(bern)] == -1  # `mask` holds it past the step's end

@@ -37,13 +37,13 @@ COVERS = {"cover": _C.cover_releases, "rebuild": _C.rebuild_releases}  # the way
 
 def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
     """The trace as the runtime's step arrays (csrc/step_trace.h), priced by ``seconds``; with its
-    values' deaths where they were observed (a capture's; a step the runtime recorded has none)."""
+    values' deaths where they were observed (a capture's; a runtime step's that followed its plan)."""
     step = {"op": trace.op.astype(np.int32), "op_cost": np.asarray(seconds, dtype=np.float64),
             "inputs_start": trace.inputs_start, "inputs": trace.inputs,
             "outputs_start": trace.outputs_start, "outputs": trace.outputs,
             "value_bytes": trace.value_bytes, "value_producer": trace.value_producer,
             "value_recomputable": trace.value_recomputable}
-    if trace.meta.get("source") != "runtime":
+    if trace.meta.get("deaths") != "last read":
         step["value_free_at"] = trace.value_free_at
     return step
 

@@ -151,8 +151,9 @@ class Trace:
 
 def from_step_arrays(step: Dict[str, np.ndarray], op_name, meta: Optional[Dict] = None) -> Trace:
     """A Trace of the runtime's last step (``Runtime.trace.last_step()``): costs as the runtime
-    booked them, no FLOPs or bytes (replay it with the recorded costs). The runtime records no
-    frees: a value the step made dies after its last read (or its producer), a leaf lives on."""
+    booked them, no FLOPs or bytes (replay it with the recorded costs). Deaths and in-place writes
+    as the runtime observed them where it did (a step that followed its plan whole); else a value
+    the step made dies after its last read (or its producer), a leaf lives on."""
     op = np.asarray(step["op"], dtype=np.int64)
     codes = sorted(set(op.tolist()))
     index = {c: i for i, c in enumerate(codes)}
@@ -165,14 +166,20 @@ def from_step_arrays(step: Dict[str, np.ndarray], op_name, meta: Optional[Dict] 
     for k in range(n):
         for v in inputs[inputs_start[k]:inputs_start[k + 1]]:
             last[v] = k
-    free_at = np.where((producer >= 0) & (recomputable == 1), last, -1).astype(np.int32)
+    observed = "value_free_at" in step and "value_overwrites" in step
+    if observed:
+        free_at = np.where(producer >= 0, np.asarray(step["value_free_at"]), -1).astype(np.int32)
+        overwrites = np.asarray(step["value_overwrites"], dtype=np.int32)
+    else:
+        free_at = np.where((producer >= 0) & (recomputable == 1), last, -1).astype(np.int32)
+        overwrites = np.full(m, -1, np.int32)
     t = Trace(op_names=[op_name(c) for c in codes], op=np.array([index[c] for c in op.tolist()], dtype=np.int32),
               op_flops=np.zeros(n, np.int64), op_bytes=np.zeros(n, np.int64), op_fp32=np.ones(n, np.uint8),
               op_kernel=np.ones(n, np.uint8), op_cost=np.asarray(step["op_cost"], dtype=np.float64),
               inputs_start=np.asarray(inputs_start, np.int64), inputs=np.asarray(inputs, np.int32),
               outputs_start=np.asarray(step["outputs_start"], np.int64), outputs=np.asarray(step["outputs"], np.int32),
               value_bytes=np.asarray(step["value_bytes"], np.int64), value_producer=producer,
-              value_recomputable=recomputable, value_free_at=free_at, value_overwrites=np.full(m, -1, np.int32),
-              meta=dict(meta or {}, source="runtime"))
+              value_recomputable=recomputable, value_free_at=free_at, value_overwrites=overwrites,
+              meta=dict(meta or {}, source="runtime", deaths="observed" if observed else "last read"))
     t.check("runtime step")
     return t
