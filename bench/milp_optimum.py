@@ -46,6 +46,7 @@ import math
 import os
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -185,6 +186,35 @@ def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0, freed=None, r
             "seconds": time.perf_counter() - t0, "nodes": n, "recomputed_nodes": recomputed}
 
 
+def _step_profile(step, budget):
+    """What both bounds start from: a step's arrays (``pymem.step_trace()``'s), each value's uses
+    (each op once), its aligned bytes and death (its last use, or where the step recorded it freed;
+    made before the step: the end), and the bytes over ``budget`` at each position."""
+    import numpy as np
+
+    n, m = len(step["op"]), len(step["value_bytes"])
+    p = types.SimpleNamespace(n=n, m=m, size=-(-np.asarray(step["value_bytes"], np.int64) // 512) * 512,
+                              producer=np.asarray(step["value_producer"]),
+                              recomputable=np.asarray(step["value_recomputable"]).astype(bool),
+                              inputs_start=np.asarray(step["inputs_start"]), inputs=np.asarray(step["inputs"]),
+                              cost=np.asarray(step["op_cost"], np.float64),
+                              free_at=np.asarray(step.get("value_free_at", [])))
+    p.uses = [[] for _ in range(m)]
+    for k in range(n):
+        for v in sorted({int(v) for v in p.inputs[p.inputs_start[k]:p.inputs_start[k + 1]]}):
+            p.uses[v].append(k)
+    p.death = np.empty(m, np.int64)
+    delta = np.zeros(n + 1, np.int64)
+    for v in range(m):
+        last, made = (p.uses[v][-1] if p.uses[v] else -1), int(p.producer[v])
+        died = last if len(p.free_at) == 0 else (n - 1 if p.free_at[v] < 0 else int(p.free_at[v]))
+        p.death[v] = n - 1 if made < 0 else max(last, made, died)
+        delta[max(made, 0)] += p.size[v]
+        delta[p.death[v] + 1] -= p.size[v]
+    p.over = np.maximum(np.cumsum(delta)[:n] - budget, 0)
+    return p
+
+
 def recompute_lower_bound(step, budget, time_limit=120.0):
     """A lower bound of the recompute any plan needs for a step under ``budget`` bytes, for traces
     far too long for the MILP (a runtime step of thousands of ops; ``step``: step arrays as
@@ -201,27 +231,10 @@ def recompute_lower_bound(step, budget, time_limit=120.0):
     import highspy
     import numpy as np
 
-    n, m = len(step["op"]), len(step["value_bytes"])
-    size = -(-np.asarray(step["value_bytes"], np.int64) // 512) * 512
-    producer = np.asarray(step["value_producer"])
-    recomputable = np.asarray(step["value_recomputable"]).astype(bool)
-    inputs_start, inputs = np.asarray(step["inputs_start"]), np.asarray(step["inputs"])
+    prof = _step_profile(step, budget)
+    n, m, size, producer, recomputable = prof.n, prof.m, prof.size, prof.producer, prof.recomputable
+    cost, uses, death, over = prof.cost, prof.uses, prof.death, prof.over
     outputs_count = np.diff(np.asarray(step["outputs_start"]))
-    cost = np.asarray(step["op_cost"], np.float64)
-    free_at = np.asarray(step.get("value_free_at", []))
-    uses = [[] for _ in range(m)]
-    for k in range(n):
-        for v in inputs[inputs_start[k]:inputs_start[k + 1]]:
-            uses[int(v)].append(k)
-    death = np.empty(m, np.int64)
-    delta = np.zeros(n + 1, np.int64)
-    for v in range(m):
-        last, p = (uses[v][-1] if uses[v] else -1), int(producer[v])
-        died = last if len(free_at) == 0 else (n - 1 if free_at[v] < 0 else int(free_at[v]))
-        death[v] = n - 1 if p < 0 else max(last, p, died)
-        delta[max(p, 0)] += size[v]
-        delta[death[v] + 1] -= size[v]
-    over = np.maximum(np.cumsum(delta)[:n] - budget, 0)
     rows = np.flatnonzero(over > 0)
     if len(rows) == 0:
         return 0.0, []
@@ -290,26 +303,10 @@ def recompute_lower_bound_lineage(step, budget, depth=2, time_limit=120.0):
     import highspy
     import numpy as np
 
-    n, m = len(step["op"]), len(step["value_bytes"])
-    size = -(-np.asarray(step["value_bytes"], np.int64) // 512) * 512
-    producer = np.asarray(step["value_producer"])
-    recomputable = np.asarray(step["value_recomputable"]).astype(bool)
-    inputs_start, inputs = np.asarray(step["inputs_start"]), np.asarray(step["inputs"])
-    cost = np.asarray(step["op_cost"], np.float64)
-    free_at = np.asarray(step.get("value_free_at", []))
-    uses = [[] for _ in range(m)]
-    for k in range(n):
-        for v in sorted({int(v) for v in inputs[inputs_start[k]:inputs_start[k + 1]]}):
-            uses[v].append(k)
-    death = np.empty(m, np.int64)
-    delta = np.zeros(n + 1, np.int64)
-    for v in range(m):
-        last, p = (uses[v][-1] if uses[v] else -1), int(producer[v])
-        died = last if len(free_at) == 0 else (n - 1 if free_at[v] < 0 else int(free_at[v]))
-        death[v] = n - 1 if p < 0 else max(last, p, died)
-        delta[max(p, 0)] += size[v]
-        delta[death[v] + 1] -= size[v]
-    over = np.maximum(np.cumsum(delta)[:n] - budget, 0)
+    prof = _step_profile(step, budget)
+    n, m, size, producer, recomputable = prof.n, prof.m, prof.size, prof.producer, prof.recomputable
+    inputs_start, inputs, cost, free_at = prof.inputs_start, prof.inputs, prof.cost, prof.free_at
+    uses, death, over = prof.uses, prof.death, prof.over
     if not (over > 0).any():
         return 0.0, "Optimal"
     # What rerunning v's producer reads: not the value an in-place op overwrote to make v (a rerun

@@ -174,7 +174,8 @@ int32_t StepTrace::new_value(RecordObject* r, int32_t producer) {
   r->trace_step = step();
   r->trace_value = v;
   if (deaths_whole_) {
-    value_record_.push_back(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(r)));
+    const StorageRef* storage = storage_ref_of(r);
+    value_storage_.push_back(storage != nullptr ? std::optional<StorageRef>(*storage) : std::nullopt);
     free_at_.push_back(-1);
     s.value_overwrites.push_back(-1);
   }
@@ -197,7 +198,7 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
     watched_.clear();
     following_ = false;
     deaths_whole_ = false;
-    value_record_.clear();
+    value_storage_.clear();
   }
   StepArrays& s = current_;
   const auto k = static_cast<int32_t>(s.op.size());
@@ -206,7 +207,13 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
     if (r != nullptr) s.inputs.push_back(value_of(r));
   for (RecordObject* r : made) {
     s.outputs.push_back(new_value(r, k));
-    if (deaths_whole_ && !s.value_overwrites.empty()) s.value_overwrites.back() = overwritten(r, inputs);
+    if (!deaths_whole_ || s.value_overwrites.empty()) continue;
+    const int32_t w = overwritten(r, inputs);
+    s.value_overwrites.back() = w;
+    if (w >= 0 && static_cast<size_t>(w) < value_storage_.size() && value_storage_[static_cast<size_t>(w)]) {
+      free_at_[static_cast<size_t>(w)] = std::max(k - 1, s.value_producer[static_cast<size_t>(w)]);  // its bytes are now r's
+      value_storage_[static_cast<size_t>(w)].reset();
+    }
   }
   s.op.push_back(code);
   s.op_cost.push_back(cost);
@@ -237,26 +244,29 @@ int32_t StepTrace::overwritten(const RecordObject* made, c10::ArrayRef<RecordObj
 }
 
 void StepTrace::watch_deaths(int32_t k) {
-  if (value_record_.size() != current_.value_bytes.size()) {  // a value made before it was watched
+  if (value_storage_.size() != current_.value_bytes.size()) {  // a value made before it was watched
     deaths_whole_ = false;
     return;
   }
   // Alive when op k - 1 was booked, gone now: it died after op k - 1 or during op k. The earlier
   // is taken (a plan then counts its bytes one op short at most, never more).
   for (size_t i = 0; i < dying_.size();) {
-    const auto v = static_cast<size_t>(dying_[i]);
-    if (storage_alive(reinterpret_cast<const RecordObject*>(value_record_[v].ptr()))) {
+    auto& storage = value_storage_[static_cast<size_t>(dying_[i])];
+    if (storage && storage->alive()) {
       ++i;
       continue;
     }
-    free_at_[v] = std::max(k - 1, current_.value_producer[v]);
-    value_record_[v] = py::object();
+    if (storage) {  // else noted already (an in-place write over it)
+      const auto v = static_cast<size_t>(dying_[i]);
+      free_at_[v] = std::max(k - 1, current_.value_producer[v]);
+      storage.reset();
+    }
     dying_[i] = dying_.back();
     dying_.pop_back();
   }
   if (static_cast<size_t>(k) + 1 < last_use_start_.size())
     for (int64_t i = last_use_start_[static_cast<size_t>(k)]; i < last_use_start_[static_cast<size_t>(k) + 1]; ++i)
-      if (static_cast<size_t>(last_use_values_[static_cast<size_t>(i)]) < value_record_.size())
+      if (static_cast<size_t>(last_use_values_[static_cast<size_t>(i)]) < value_storage_.size())
         dying_.push_back(last_use_values_[static_cast<size_t>(i)]);
 }
 
@@ -332,7 +342,7 @@ void StepTrace::end_step(double moved_seconds) {
   if (planning_) plan_next(moved_seconds);
   following_ = planning_ && !plan_.empty();
   planned_step_ = following_;
-  value_record_.clear();
+  value_storage_.clear();
   free_at_.clear();
   dying_.clear();
   deaths_whole_ = following_;
@@ -378,7 +388,7 @@ void StepTrace::set_planning(bool on) {
     plan_ = StepPlan();
     following_ = false;
     deaths_whole_ = false;
-    value_record_.clear();
+    value_storage_.clear();
   }
 }
 

@@ -42,6 +42,10 @@
 // is a value made before it, and gets an index when first seen.
 #pragma once
 
+#include "storage.h"
+
+#include <optional>
+
 #include "plan_choice.h"
 #include "step_arrays.h"
 #include "step_plan.h"
@@ -150,7 +154,9 @@ class StepTrace {
   // The value of this step among `inputs` whose storage `made` is (an in-place op's), or -1.
   int32_t overwritten(const RecordObject* made, c10::ArrayRef<RecordObject*> inputs) const;
   void plan_deaths();                           // the plan's values by last use
-  std::vector<pybind11::object> value_record_;  // this step's records, by value (while watching)
+  // This step's values' storages, by value (while watching): weak, as records would hold what their
+  // recipes read. Empty once its death (or an in-place write over it) was noted.
+  std::vector<std::optional<StorageRef>> value_storage_;
   std::vector<int32_t> free_at_;                // by value: the op after which it died; -1: alive
   std::vector<int32_t> dying_;                  // values past their last use, still held
   std::vector<int64_t> last_use_start_;         // by position: [start, end) of last_use_values_
