@@ -306,8 +306,9 @@ def step() -> None:
 def step_trace() -> Optional[dict]:
     """The last complete training step as pymem saw it: its ops in order and the values they read and
     made, as numpy arrays (``op``, ``op_cost``, ``inputs_start``/``inputs``, ``outputs_start``/
-    ``outputs``, ``value_bytes``, ``value_producer``, ``value_recomputable``; their meaning is in
-    README, "Step trace"). None before a step completed or while pymem is not enabled."""
+    ``outputs``, ``value_bytes``, ``value_producer``, ``value_recomputable``; and in a step that
+    followed its plan, ``value_free_at`` and ``value_overwrites``; their meaning is in README, "Step
+    trace"). None before a step completed or while pymem is not enabled."""
     rt = _current
     if rt is None:
         return None
