@@ -207,11 +207,11 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
     if (r != nullptr) s.inputs.push_back(value_of(r));
   for (RecordObject* r : made) {
     s.outputs.push_back(new_value(r, k));
-    if (!deaths_whole_ || s.value_overwrites.empty()) continue;
+    if (!deaths_whole_) continue;
     const int32_t w = overwritten(r, inputs);
     s.value_overwrites.back() = w;
-    if (w >= 0 && static_cast<size_t>(w) < value_storage_.size() && value_storage_[static_cast<size_t>(w)]) {
-      free_at_[static_cast<size_t>(w)] = std::max(k - 1, s.value_producer[static_cast<size_t>(w)]);  // its bytes are now r's
+    if (w >= 0 && value_storage_[static_cast<size_t>(w)]) {  // its bytes are r's now
+      free_at_[static_cast<size_t>(w)] = std::max(k - 1, s.value_producer[static_cast<size_t>(w)]);
       value_storage_[static_cast<size_t>(w)].reset();
     }
   }
@@ -244,10 +244,7 @@ int32_t StepTrace::overwritten(const RecordObject* made, c10::ArrayRef<RecordObj
 }
 
 void StepTrace::watch_deaths(int32_t k) {
-  if (value_storage_.size() != current_.value_bytes.size()) {  // a value made before it was watched
-    deaths_whole_ = false;
-    return;
-  }
+  const StepArrays& s = current_;
   // Alive when op k - 1 was booked, gone now: it died after op k - 1 or during op k. The earlier
   // is taken (a plan then counts its bytes one op short at most, never more).
   for (size_t i = 0; i < dying_.size();) {
@@ -258,35 +255,23 @@ void StepTrace::watch_deaths(int32_t k) {
     }
     if (storage) {  // else noted already (an in-place write over it)
       const auto v = static_cast<size_t>(dying_[i]);
-      free_at_[v] = std::max(k - 1, current_.value_producer[v]);
+      free_at_[v] = std::max(k - 1, s.value_producer[v]);
       storage.reset();
     }
     dying_[i] = dying_.back();
     dying_.pop_back();
   }
-  if (static_cast<size_t>(k) + 1 < last_use_start_.size())
-    for (int64_t i = last_use_start_[static_cast<size_t>(k)]; i < last_use_start_[static_cast<size_t>(k) + 1]; ++i)
-      if (static_cast<size_t>(last_use_values_[static_cast<size_t>(i)]) < value_storage_.size())
-        dying_.push_back(last_use_values_[static_cast<size_t>(i)]);
-}
-
-void StepTrace::plan_deaths() {
-  const StepArrays& s = last_;
-  const size_t n = s.op.size(), m = s.value_bytes.size();
-  std::vector<int32_t> last(m, -1);
-  for (size_t v = 0; v < m; ++v) last[v] = s.value_producer[v];  // no use: from its making
-  for (size_t k = 0; k < n; ++k)
-    for (int64_t i = s.inputs_start[k]; i < s.inputs_start[k + 1]; ++i)
-      last[static_cast<size_t>(s.inputs[static_cast<size_t>(i)])] = static_cast<int32_t>(k);
-  last_use_start_.assign(n + 1, 0);
-  for (size_t v = 0; v < m; ++v)
-    if (s.value_producer[v] >= 0) ++last_use_start_[static_cast<size_t>(last[v]) + 1];
-  for (size_t k = 0; k < n; ++k) last_use_start_[k + 1] += last_use_start_[k];
-  last_use_values_.assign(static_cast<size_t>(last_use_start_[n]), 0);
-  std::vector<int64_t> fill(last_use_start_.begin(), last_use_start_.end() - 1);
-  for (size_t v = 0; v < m; ++v)
-    if (s.value_producer[v] >= 0)
-      last_use_values_[static_cast<size_t>(fill[static_cast<size_t>(last[v])]++)] = static_cast<int32_t>(v);
+  // Watched from here: the values op k read or made that the plan reads no more (made before the
+  // step: not watched, they count for the whole step).
+  const auto watch_if_done = [&](int32_t v) {
+    if (s.value_producer[static_cast<size_t>(v)] >= 0 &&
+        plan_.next_use_at(v, static_cast<size_t>(k) + 1) == static_cast<int64_t>(plan_.size()))
+      dying_.push_back(v);
+  };
+  for (int64_t i = s.inputs_start[static_cast<size_t>(k)]; i < s.inputs_start[static_cast<size_t>(k) + 1]; ++i)
+    watch_if_done(s.inputs[static_cast<size_t>(i)]);
+  for (int64_t i = s.outputs_start[static_cast<size_t>(k)]; i < s.outputs_start[static_cast<size_t>(k) + 1]; ++i)
+    watch_if_done(s.outputs[static_cast<size_t>(i)]);
 }
 
 void StepTrace::note_offload(const RecordObject* r) {
@@ -327,8 +312,7 @@ py::list StepTrace::take_due() {
 }
 
 void StepTrace::end_step(double moved_seconds) {
-  if (deaths_whole_ && following_ && free_at_.size() == current_.value_bytes.size() &&
-      current_.value_overwrites.size() == current_.value_bytes.size())
+  if (deaths_whole_ && current_.op.size() == plan_.size())  // the plan followed whole: every value watched
     current_.value_free_at = std::move(free_at_);
   else
     current_.value_overwrites.clear();
@@ -346,7 +330,6 @@ void StepTrace::end_step(double moved_seconds) {
   free_at_.clear();
   dying_.clear();
   deaths_whole_ = following_;
-  if (following_) plan_deaths();
 }
 
 void StepTrace::plan_next(double moved_seconds) {

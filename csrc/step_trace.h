@@ -150,17 +150,14 @@ class StepTrace {
   // Deaths (value_free_at), observed while a step follows its plan from its start: a value is
   // watched from its last use in the plan (its producer, if none) until its storage dies, so each
   // op checks the few values past their last use that are still held, not every live one.
-  void watch_deaths(int32_t k);                 // after op k was booked
+  void watch_deaths(int32_t k);                 // after op k was booked (and matched the plan)
   // The value of this step among `inputs` whose storage `made` is (an in-place op's), or -1.
   int32_t overwritten(const RecordObject* made, c10::ArrayRef<RecordObject*> inputs) const;
-  void plan_deaths();                           // the plan's values by last use
   // This step's values' storages, by value (while watching): weak, as records would hold what their
   // recipes read. Empty once its death (or an in-place write over it) was noted.
   std::vector<std::optional<StorageRef>> value_storage_;
   std::vector<int32_t> free_at_;                // by value: the op after which it died; -1: alive
   std::vector<int32_t> dying_;                  // values past their last use, still held
-  std::vector<int64_t> last_use_start_;         // by position: [start, end) of last_use_values_
-  std::vector<int32_t> last_use_values_;
   bool deaths_whole_ = false;                   // watched since the step's start, plan followed
   // By value index: bit 0, offloaded in this step (note_offload); bit 1, in the step before.
   std::vector<uint8_t> offloaded_;

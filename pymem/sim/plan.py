@@ -37,7 +37,8 @@ COVERS = {"cover": _C.cover_releases, "rebuild": _C.rebuild_releases}  # the way
 
 def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
     """The trace as the runtime's step arrays (csrc/step_trace.h), priced by ``seconds``; with its
-    values' deaths where they were observed (a capture's; a runtime step's that followed its plan)."""
+    values' deaths and in-place writes where they were observed (a capture's; a runtime step's that
+    followed its plan)."""
     step = {"op": trace.op.astype(np.int32), "op_cost": np.asarray(seconds, dtype=np.float64),
             "inputs_start": trace.inputs_start, "inputs": trace.inputs,
             "outputs_start": trace.outputs_start, "outputs": trace.outputs,
@@ -45,6 +46,7 @@ def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
             "value_recomputable": trace.value_recomputable}
     if trace.meta.get("deaths") != "last read":
         step["value_free_at"] = trace.value_free_at
+        step["value_overwrites"] = trace.value_overwrites
     return step
 
 
