@@ -274,6 +274,29 @@ def recompute_lower_bound(step, budget, time_limit=120.0):
     return h.getInfo().objective_function_value, [stretches[i] for i in range(len(stretches)) if x[i] > 1e-6]
 
 
+def _unread_overwrites(step, overwrote):
+    """By value: the value its producer wrote over without reading it, else -1. An op whose name this
+    process does not know (a trace from another process) counts as not reading it: the bound may
+    only get lower for it."""
+    from pymem import _C
+    from pymem.runtime.ops import overwrites_unread
+
+    names = {}
+    unread = []
+    for v, w in enumerate(overwrote.tolist()):
+        if w < 0:
+            unread.append(-1)
+            continue
+        code = int(step["op"][int(step["value_producer"][v])])
+        if code not in names:
+            try:
+                names[code] = overwrites_unread(_C.op_name(code))
+            except IndexError:
+                names[code] = True
+        unread.append(w if names[code] else -1)
+    return unread
+
+
 def recompute_lower_bound_lineage(step, budget, depth=2, time_limit=120.0):
     """``recompute_lower_bound``'s problem with lineage, as an integer program: a tighter lower
     bound of any plan's recompute for ``step`` under ``budget`` bytes. Returns (the solver's proven
@@ -309,10 +332,12 @@ def recompute_lower_bound_lineage(step, budget, depth=2, time_limit=120.0):
     uses, death, over = prof.uses, prof.death, prof.over
     if not (over > 0).any():
         return 0.0, "Optimal"
-    # What rerunning v's producer reads: not the value an in-place op overwrote to make v (a rerun
-    # writes a blank buffer or a copy).
+    # What rerunning v's producer reads: not the value an op that overwrites without reading
+    # (fill_, bernoulli_: a rerun writes a blank buffer) wrote over to make v. An in-place op that
+    # reads it (div_ scaling a dropout mask) reads it again: the mask's rerun needs bernoulli_'s.
     overwrote = np.asarray(step.get("value_overwrites", np.full(m, -1)))
-    reads = [sorted({int(w) for w in inputs[inputs_start[p]:inputs_start[p + 1]]} - {v, int(overwrote[v])})
+    unread = _unread_overwrites(step, overwrote)
+    reads = [sorted({int(w) for w in inputs[inputs_start[p]:inputs_start[p + 1]]} - {v, unread[v]})
              if p >= 0 else [] for v, p in enumerate(producer.tolist())]
     readers = [[] for _ in range(m)]
     for u in range(m):

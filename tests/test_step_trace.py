@@ -8,6 +8,7 @@ import torch.nn as nn
 import pymem
 from pymem import _C
 from pymem.cost_model import CostModel
+from pymem.runtime.ops import overwrites_unread
 
 KEYS = ("op", "op_cost", "inputs_start", "inputs", "outputs_start", "outputs", "value_bytes", "value_producer",
         "value_recomputable")
@@ -130,3 +131,25 @@ def test_a_step_that_followed_its_plan_records_deaths_and_in_place_writes(manage
     bern = first("aten.bernoulli_.float")
     assert over[out(bern)] == out(first("aten.empty_like.default")) and (over[producer >= 0] >= 0).sum() == 1
     assert free_at[out(bern)] == -1  # `mask` holds it past the step's end
+
+
+def test_in_place_writes_that_read_what_they_overwrite_are_told_apart(managed):
+    """Dropout's mask: empty_like, bernoulli_ over it (unread: a rerun starts from a blank buffer),
+    div_ over that (read: the mask's rerun needs bernoulli_'s value again). The trace records both
+    writes; the lower bounds (bench/milp_optimum.py) take only the first as unread."""
+    x = torch.randn(32, 64, requires_grad=True)
+    pymem.enable(budget="64MB", device="cpu", cost=CostModel(3e10, 7e9, 4e-6), plan="auto")
+    for _ in range(3):
+        mask = torch.empty_like(x).bernoulli_(0.5).div_(0.5)
+        (x * mask).sum().backward()
+        x.grad = None
+        pymem.step()
+    st = pymem.step_trace()
+    pymem.disable()
+    names = [_C.op_name(int(k)) for k in st["op"]]
+    over, producer = st["value_overwrites"], st["value_producer"]
+    written = {names[producer[v]]: int(over[v]) for v in range(len(over)) if producer[v] >= 0 and over[v] >= 0}
+    div = next(n for n in written if n.startswith("aten.div_."))  # .Tensor or .Scalar, by torch version
+    assert set(written) == {"aten.bernoulli_.float", div}
+    assert producer[written[div]] == names.index("aten.bernoulli_.float")
+    assert {n: overwrites_unread(n) for n in written} == {"aten.bernoulli_.float": True, div: False}

@@ -34,6 +34,14 @@ _OVERWRITE_NAMES = {"zero_", "fill_", "normal_", "uniform_", "bernoulli_", "rand
                     "geometric_", "cauchy_", "log_normal_", "copy_"}
 
 
+def overwrites_unread(op_name: str) -> bool:
+    """Whether the op named ``op_name`` (``str(OpOverload)``, as step traces name ops: "aten.fill_.Scalar")
+    overwrites its first argument without reading it (its recompute starts from a blank buffer when
+    the write covers the whole storage); an in-place op that reads it (``div_``, ``add_``) does not."""
+    parts = op_name.split(".")
+    return len(parts) > 1 and parts[1] in _OVERWRITE_NAMES
+
+
 class OpInfo:
     __slots__ = ("name", "code", "mutated", "regrown", "seeded", "pure", "overwrites", "fresh_returns", "collective",
                  "async_pos")
