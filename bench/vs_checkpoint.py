@@ -207,7 +207,7 @@ def measured_step(name, a, peak, steps=5):
 
 
 def bound_of(step, budget, unmanaged_s, forward_s, seconds):
-    """recompute_lower_bound_lineage at ``budget``, and the least slowdown it allows."""
+    """recompute_lower_bound_lineage at ``budget``, and the slowdown that much recompute brings alone."""
     from milp_optimum import recompute_lower_bound_lineage
 
     bound, status = recompute_lower_bound_lineage(step, budget, time_limit=seconds)
@@ -349,7 +349,8 @@ def main():
     ap.add_argument("--json")
     ap.add_argument("--plot")
     ap.add_argument("--bound", action="store_true",
-                    help="also the least slowdown any release plan allows at each budget (needs highspy)")
+                    help="also the slowdown recompute alone brings at each budget, from a lower bound of any "
+                         "plan's recompute at measured op costs (needs highspy)")
     ap.add_argument("--bound-seconds", type=float, default=60.0, help="HiGHS's time limit per bound")
     a = ap.parse_args()
     a.ratios = [float(r) for r in a.ratios.split(",") if r]

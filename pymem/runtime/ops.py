@@ -63,7 +63,7 @@ class OpInfo:
         self.regrown: List[Tuple[int, str]] = written if view_op else []
         self.seeded = torch.Tag.nondeterministic_seeded in tags
         self.pure = func.namespace in _PURE_NAMESPACES and func not in _NEVER_RECOMPUTE
-        self.overwrites = schema.name.split("::")[-1] in _OVERWRITE_NAMES and len(self.mutated) == 1
+        self.overwrites = overwrites_unread(self.name) and len(self.mutated) == 1
         self.fresh_returns = any(r.alias_info is None for r in schema.returns)
         self.collective = func.namespace in _COLLECTIVE_NAMESPACES
         self.async_pos = next((i for i, a in enumerate(schema.arguments) if a.name == "async_op"), None)
