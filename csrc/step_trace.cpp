@@ -253,7 +253,7 @@ void StepTrace::watch_deaths(int32_t k) {
       ++i;
       continue;
     }
-    if (storage) {  // else noted already (an in-place write over it)
+    if (storage) {  // else noted already (an in-place write over it), or never watchable (no storage)
       const auto v = static_cast<size_t>(dying_[i]);
       free_at_[v] = std::max(k - 1, s.value_producer[v]);
       storage.reset();

@@ -42,18 +42,16 @@
 // is a value made before it, and gets an index when first seen.
 #pragma once
 
-#include "storage.h"
-
-#include <optional>
-
 #include "plan_choice.h"
 #include "step_arrays.h"
 #include "step_plan.h"
+#include "storage.h"
 
 #include <c10/util/ArrayRef.h>
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
