@@ -2,7 +2,7 @@
 "Checkmate: Breaking the Memory Wall with Optimal Tensor Rematerialization", MLSys 2020), solved
 with HiGHS (``pip install highspy``; a bench-only dependency).
 
-    python bench/milp_optimum.py [--json FILE] [--time-limit 120]
+    python bench/milp_optimum.py [--json FILE] [--time-limit 120] [--traces mlp,gpt] [--ratios 0.8,0.6,0.5,0.4]
 
 The trace (pymem.sim) becomes Checkmate's graph: one node per op that makes fresh values (its
 outputs' bytes together, its cost on the GPU's rates), an edge from each value's producer to each op
@@ -484,7 +484,18 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="h100")
     ap.add_argument("--time-limit", type=float, default=120.0)
     ap.add_argument("--policies", default="dtr,dtr-chain,msps,lru,coop")
+    ap.add_argument("--traces", default="mlp,gpt", help="which traces: mlp, gpt (comma-separated)")
+    ap.add_argument("--ratios", default="0.8,0.6,0.5,0.4", help="budgets as shares of the trace's peak")
     args = ap.parse_args(argv)
+    traces = args.traces.split(",")
+    if not traces or any(t not in ("mlp", "gpt") for t in traces):
+        ap.error(f"--traces takes mlp and/or gpt, comma-separated; got {args.traces!r}")
+    try:
+        ratios = [float(r) for r in args.ratios.split(",")]
+    except ValueError:
+        ratios = []
+    if not ratios or any(not 0 < r <= 1 for r in ratios):
+        ap.error(f"--ratios takes shares of the peak in (0, 1], comma-separated; got {args.ratios!r}")
 
     def mlp_step(layers=6, width=1024, batch=8192):
         with torch.device("meta"):
@@ -511,14 +522,15 @@ def main(argv=None) -> int:
         return step
 
     out = {"device": args.device, "traces": {}}
-    for name, step in (("mlp-6x1024-batch8192", mlp_step()), ("gpt-1x256-seq256-batch8", gpt_step())):
+    chosen = {"mlp": ("mlp-6x1024-batch8192", mlp_step), "gpt": ("gpt-1x256-seq256-batch8", gpt_step)}
+    for name, step in [(chosen[t][0], chosen[t][1]()) for t in traces]:
         step()
         trace = capture(step)
         seconds = _op_seconds(trace, args.device)
         mem, cost, deps, recomp, keep, constant, freed = graph_of(trace, seconds)
         peak = trace.peak_bytes()
         rows = {}
-        for ratio in (0.8, 0.6, 0.5, 0.4):
+        for ratio in ratios:
             budget = int(peak * ratio)
             main_region = budget - _C.Arena(budget // _C.ALIGNMENT * _C.ALIGNMENT, "virtual").small_region_size
             optima = {"milp": solve(mem, cost, deps, recomp, keep, budget - constant, args.time_limit, freed),

@@ -1,7 +1,7 @@
 """Which way the step plan settles on, and what each costs, with fixed op costs (no timer noise).
 
     python bench/plan_ways.py [--models transformer,deep,cnn] [--ratios ckpt,0.5,0.3] [--steps 18]
-                              [--bound] [--no-step-placement] [--json FILE]
+                              [--costs rates|measured] [--bound] [--no-step-placement] [--json FILE]
 
 For each model of bench/vs_checkpoint.py and each budget (``ckpt``: the checkpoint-every-block
 peak; a number: that share of the unmanaged peak), in one process: ``--steps`` training steps with
@@ -18,6 +18,10 @@ a lower bound of what any plan recomputes at that budget, two ways (bench/milp_o
 levels deep and the chains of inputs the program freed (tighter; on the MILP's MLP at 0.8 of its
 peak it is the optimum itself). ``--no-step-placement``: ``plan="auto"`` with its arena's step placement off
 (csrc/step_placement.h; ``plan="off"`` never has it), to measure what the placement does.
+``--costs measured``: instead of those rates, each op's cost measured on this CPU once per model
+(the median of six unmanaged steps, per op and input shapes: bench/op_costs.py), then fixed, so
+decisions still repeat run to run, at the costs ``cost="measured"`` would see (dropout's
+``bernoulli_`` dearer than a matmul, which the rates miss).
 """
 import argparse
 import gc
@@ -34,6 +38,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "bench"))
 import pymem  # noqa: E402
+from op_costs import measured_costs  # noqa: E402
 from pymem.cost_model import CostModel  # noqa: E402
 from vs_checkpoint import make, peak_of  # noqa: E402
 
@@ -41,10 +46,10 @@ MiB = 2 ** 20
 COST = CostModel(1e11, 1e10, 5e-6)
 
 
-def run(name, budget, plan, steps, last_step=None, step_placement=True):
+def run(name, budget, plan, steps, last_step=None, step_placement=True, cost=COST):
     """Per step: (way, recompute seconds, MiB moved); None when the budget is infeasible.
     ``last_step``: a list that gets the last step's trace (``pymem.step_trace()``)."""
-    rt = pymem.enable(budget, device="cpu", plan=plan, cost=COST)
+    rt = pymem.enable(budget, device="cpu", plan=plan, cost=cost)
     if not step_placement:
         rt.arena.step_placement = False
     rows = []
@@ -69,11 +74,11 @@ def run(name, budget, plan, steps, last_step=None, step_placement=True):
     return rows
 
 
-def forward_seconds(name, peak):
+def forward_seconds(name, peak, cost=COST):
     """The forward pass at the fixed costs: the ops of a step (the second, unmanaged in effect:
     twice the peak as budget) that made a value with a recipe (backward and optimizer ops make
     none). Issue 13's measure of recompute: at most half of it at the checkpointed peak."""
-    pymem.enable(2 * peak, device="cpu", plan="off", cost=COST)
+    pymem.enable(2 * peak, device="cpu", plan="off", cost=cost)
     try:
         step = make(name, "plain", False, [])
         step()
@@ -102,18 +107,22 @@ def main(argv=None):
                          "needs highspy)")
     ap.add_argument("--no-step-placement", action="store_true",
                     help='plan="auto" with the arena\'s step placement off (csrc/step_placement.h)')
+    ap.add_argument("--costs", choices=("rates", "measured"), default="rates",
+                    help="op costs: the fixed rates CostModel(1e11, 1e10, 5e-6), or each op's measured once (op_costs.py)")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     settled_from = pymem._C.PlanChoice.TRIAL_STEPS + 2  # the plan starts at step 3, then the trials
     if a.steps <= settled_from:
         ap.error(f"--steps must be over {settled_from}: the choice settles from step {settled_from + 1}")
-    out = {"cost": [COST.flop_rate, COST.byte_rate, COST.launch], "settled_from_step": settled_from + 1,
+    out = {"cost": [COST.flop_rate, COST.byte_rate, COST.launch] if a.costs == "rates" else "measured",
+           "settled_from_step": settled_from + 1,
            "step_placement": not a.no_step_placement, "models": {}}
     for name in a.models.split(","):
         peak = peak_of(name, "plain", False, 2)
         ckpt = peak_of(name, "checkpoint", False, 2)
-        forward = forward_seconds(name, peak)
+        cost = COST if a.costs == "rates" else measured_costs(make(name, "plain", False, []))
+        forward = forward_seconds(name, peak, cost)
         res = out["models"][name] = {"peak_bytes": peak, "checkpoint_peak_bytes": ckpt, "forward_seconds": forward,
                                      "budgets": {}}
         print(f"{name}: unmanaged peak {peak / MiB:.1f} MiB, checkpointed {ckpt / peak:.3f} of it; "
@@ -125,7 +134,7 @@ def main(argv=None):
             entry = res["budgets"][r] = {"budget_bytes": budget}
             for plan in ("off", "auto"):
                 last_step = [] if plan == "auto" and a.bound else None
-                rows = run(name, budget, plan, a.steps, last_step, not a.no_step_placement)
+                rows = run(name, budget, plan, a.steps, last_step, not a.no_step_placement, cost)
                 if rows is None:
                     entry[plan] = {"feasible": False}
                     print(f"  {label:<12} plan={plan:<4}  infeasible")
@@ -149,6 +158,10 @@ def main(argv=None):
                         print(f"  {label:<12} lower bound of any plan's recompute: {bound:.4f} s ({bound / forward:.2f} "
                               f"of a forward); with lineage: " + (f"{lineage:.4f} s ({lineage / forward:.2f})"
                                                                   if lineage is not None else status))
+        if a.costs == "measured":  # ops the unmanaged steps never ran (a rerun's clone ...): priced by the rates
+            res["calls_priced_by_rates"] = dict(cost.misses)
+            print(f"  calls priced by the rates (ops and shapes the unmanaged steps did not run): "
+                  f"{sum(cost.misses.values())}" + (f", mostly {cost.misses.most_common(1)[0][0]}" if cost.misses else ""))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)

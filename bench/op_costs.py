@@ -1,0 +1,77 @@
+"""Op costs measured once, then fixed: decisions that repeat run to run, at this CPU's own costs.
+
+``cost=CostModel(...)`` makes pymem's decisions repeat, but its FLOP and byte rates misprice some
+ops on a CPU: dropout's ``bernoulli_`` draws each element from a generator (about 8 ns an element
+here: 4.3 ms for a 2 MiB mask, more than the 8 MiB ``addmm`` beside it), which the rates price as a
+2 MiB write. ``cost="measured"`` prices it right, but each decision then follows that op's timing
+on that run, so two runs of one program release different values.
+
+``measured_costs(step)`` times every op of a few unmanaged calls of ``step()`` (a dispatch mode
+around each kernel) and keeps the median per op and input shapes: ``MeasuredCosts``, a
+``CostModel`` that answers from that table, and from the fixed rates for an op it never saw (a
+rerun's ``clone``, say; ``misses`` counts them). Within one process every run then makes the same
+decisions at the CPU's relative costs.
+"""
+import collections
+import statistics
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from pymem.cost_model import CostModel
+
+# The fallback for ops the table lacks: bench/plan_ways.py's fixed rates.
+FALLBACK = (1e11, 1e10, 5e-6)
+
+
+def op_key(func, args, kwargs):
+    """(op, the shapes of its tensor arguments in order): one table entry."""
+    flat, _ = tree_flatten((args, kwargs))
+    return str(func), tuple(tuple(t.shape) for t in flat if isinstance(t, torch.Tensor))
+
+
+class _OpTimer(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seconds = collections.defaultdict(list)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        t0 = time.perf_counter()
+        out = func(*args, **kwargs)
+        self.seconds[op_key(func, args, kwargs)].append(time.perf_counter() - t0)
+        return out
+
+
+class MeasuredCosts(CostModel):
+    """A ``CostModel`` whose ``seconds`` is the measured median of that op on those shapes."""
+
+    def __init__(self, table):
+        super().__init__(*FALLBACK)
+        self.table = dict(table)
+        self.misses = collections.Counter()  # op name -> calls priced by the fallback rates
+
+    def seconds(self, func, args, kwargs, ins, out) -> float:
+        known = self.table.get(op_key(func, args, kwargs))
+        if known is not None:
+            return known
+        self.misses[str(func)] += 1
+        return super().seconds(func, args, kwargs, ins, out)
+
+    def __repr__(self) -> str:
+        return f"MeasuredCosts({len(self.table)} ops and shapes)"
+
+
+def measured_costs(step, steps: int = 6, warmup: int = 1) -> MeasuredCosts:
+    """Times every op of ``steps`` calls of ``step()`` (after ``warmup`` untimed ones), unmanaged."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps!r}")
+    for _ in range(warmup):
+        step()
+    timer = _OpTimer()
+    with timer:
+        for _ in range(steps):
+            step()
+    return MeasuredCosts({k: statistics.median(v) for k, v in timer.seconds.items()})
