@@ -54,6 +54,8 @@ struct RuntimeRefs {
   // The rates of the CostModel last seen as rt.cost_model (read once per model object).
   py::object rates_of;
   double flop_rate = 0, byte_rate = 0, launch = 0;
+  py::object view_cost_of;  // the CostModel subclass view_cost_under read last, and its answer
+  double view_cost = 0;
   uintptr_t releasable_lo = 0, releasable_hi = 0;  // the backend's releasable_range
   PyTypeObject* recipe_type = nullptr;  // records.Recipe
   PyTypeObject* record_type = nullptr;  // records.Record
@@ -270,6 +272,21 @@ bool estimate_here(RuntimeRefs& R, PyObject* model) {
     R.rates_of = py::reinterpret_borrow<py::object>(model);
   }
   return true;
+}
+
+// A view-only op under a CostModel subclass, whose `seconds` only the Python path runs: the model's
+// launch cost, a constant as a view's estimate is. Not its measured time: the clock it advances
+// ages every value, and timings would make two runs of one program decide differently.
+double view_cost_under(RuntimeRefs& R, PyObject* model) {
+  if (R.view_cost_of.ptr() != model) {
+    PyObject* launch = PyObject_GetAttrString(model, "launch");
+    const double v = launch != nullptr ? PyFloat_AsDouble(launch) : 0.0;
+    Py_XDECREF(launch);
+    if (PyErr_Occurred()) PyErr_Clear();  // a subclass that set no launch: none
+    R.view_cost = v > 0 ? v : 0.0;
+    R.view_cost_of = py::reinterpret_borrow<py::object>(model);
+  }
+  return R.view_cost;
 }
 
 int64_t viewed_bytes(const at::Tensor& t) {  // cost_model.tensor_bytes of one tensor
@@ -529,9 +546,9 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     ++g_stats.slow;
     return false;
   }
-  const double cost = estimate_here_ok
-                           ? estimated_cost(R, f, schema, ins, saved, torch::jit::last(*stack, schema.returns().size()))
-                           : (t1 - t0) - (handler_seconds() - handled);
+  const double cost = estimate_here_ok ? estimated_cost(R, f, schema, ins, saved, torch::jit::last(*stack, schema.returns().size()))
+                     : estimated          ? view_cost_under(R, S.cost_model)
+                                          : (t1 - t0) - (handler_seconds() - handled);
   unlock_inputs.held = false;
   unlist(R.running, recs);
   add_locks(rs, -1);

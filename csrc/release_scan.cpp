@@ -156,11 +156,14 @@ py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_
   Scorer scorer(in);
   py::object best;  // owned: Python (leaf_ok) may run between picks
   double best_score = std::numeric_limits<double>::infinity();
+  int64_t best_id = 0;
   auto consider = [&](PyObject* o) {
-    const double s = scorer.score(reinterpret_cast<RecordObject*>(o));
-    if (s < best_score) {
+    auto* r = reinterpret_cast<RecordObject*>(o);
+    const double s = scorer.score(r);
+    if (s < best_score || (s == best_score && best && r->id < best_id)) {
       best = py::reinterpret_borrow<py::object>(o);
       best_score = s;
+      best_id = r->id;
     }
   };
   PyObject *key, *value;

@@ -58,7 +58,9 @@ struct ScanInputs {
 // The record to release now: the lowest score among the records of `table` ({key: record}) that
 // are in memory in the arena and free to go (no locks, waits or pins; a recipe, or a leaf for which
 // `leaf_ok(record)` is true: leaf_ok None means no leaf may go), then the cache's records with a
-// recipe and no locks or waits. The first of equal scores wins. None when there is no candidate.
+// recipe and no locks or waits. Of equal scores the oldest record (lowest id) wins: the table's order
+// follows storage addresses, which the heap reuses differently from run to run. None when there is
+// no candidate.
 pybind11::object lowest_scoring(pybind11::dict table, const ScanInputs& in, pybind11::handle leaf_ok);
 
 class Arena;  // arena.h

@@ -84,6 +84,25 @@ def test_runtime_prices_ops_with_the_given_model(managed):
     assert r.compute_cost == pytest.approx(1e-6 + 800_000 / 1e9)
 
 
+def test_a_cost_model_subclass_prices_views_at_its_launch_cost(managed):
+    """A subclass's ``seconds`` runs on the Python path; a view op, which takes the C++ path under any
+    model, is priced at the model's launch cost. Its measured time would advance the clock (which
+    ages every value) by a different amount in every run, and the decisions would differ with it
+    (bench/op_costs.py's MeasuredCosts: one recompute in a hundred, two runs of one process)."""
+    class Halved(cost_model.CostModel):
+        def seconds(self, func, args, kwargs, ins, out):
+            return super().seconds(func, args, kwargs, ins, out) / 2
+
+    rt = pymem.enable(64 * MiB, cost=Halved(flop_rate=1e9, byte_rate=1e9, launch=1e-3))
+    x = torch.ones(100_000)
+    y = x * 2
+    assert rt.table[pymem._C.storage_key(y)].compute_cost == pytest.approx((1e-3 + 800_000 / 1e9) / 2)
+    before, ops = rt.clock, rt.num_ops
+    views = [y.view(-1) for _ in range(10)]
+    assert rt.num_ops - ops == len(views)
+    assert rt.clock - before == pytest.approx(len(views) * 1e-3)
+
+
 def test_bad_cost_is_refused_and_changing_it_needs_disable(managed):
     with pytest.raises(ValueError, match="'timed'.*accepted: None \\(by device\\), 'measured', 'estimate', or a "
                                          "pymem.cost_model.CostModel"):

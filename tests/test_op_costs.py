@@ -1,5 +1,6 @@
 """bench/op_costs.py: op costs measured once, then fixed (bench/plan_ways.py --costs measured). Its
 point is that decisions repeat run to run at the CPU's own relative costs."""
+import gc
 import os
 import sys
 
@@ -32,6 +33,11 @@ def test_an_op_seen_is_priced_at_its_median_and_an_op_not_seen_by_the_rates():
 
 
 def _managed(costs, budget, steps):
+    """From a collected heap with the cycle collector off: a collection at another point frees
+    tensors held in cycles at another point, which moves blocks, not costs
+    (test_runtime_training.test_estimated_costs_make_the_same_decisions_every_run)."""
+    gc.collect()
+    gc.disable()
     pymem.enable(budget, device="cpu", plan="auto", cost=costs)
     try:
         step = rm.trainer("gpt")
@@ -39,6 +45,7 @@ def _managed(costs, budget, steps):
         stats = dict(pymem.memory_stats())
     finally:
         pymem.disable()
+        gc.enable()
     return losses, stats
 
 

@@ -146,7 +146,7 @@ class PressureHandler:
         scores = self.scores(records)
         if scores is None:
             scores = [rt.policy.evaluate(r, rt.clock) for r in records]
-        order = [(cands[i][1].data_ptr, records[i]) for i in sorted(range(len(cands)), key=scores.__getitem__)]
+        order = [(cands[i][1].data_ptr, records[i]) for i in sorted(range(len(cands)), key=lambda i: (scores[i], records[i].id))]
         blocks = rt.arena.blocks()
 
         def then(freed: set) -> float:
@@ -197,7 +197,9 @@ class PressureHandler:
         return res.leaf_releasable if res.offload_leaves else None
 
     def _lowest_scoring(self):
-        """The candidate with the lowest score (the first of equal ones), or None."""
+        """The candidate with the lowest score (of equal ones the oldest, by record id: the table's
+        order follows the storages' addresses, which the heap reuses differently from run to run),
+        or None."""
         rt = self.rt
         now = rt.clock
         if self.scan is not None:
@@ -210,7 +212,7 @@ class PressureHandler:
             candidates = sample_candidates(pool, self.rng, [r.nbytes for r in pool])
         for r in candidates:
             s = evaluate(r, now)
-            if s < best_score:
+            if s < best_score or (s == best_score and best is not None and r.id < best.id):
                 best, best_score = r, s
         return best
 
@@ -228,9 +230,9 @@ class PressureHandler:
         now, evaluate = rt.clock, rt.policy.evaluate
         best = self._lowest_scoring()
         if best is None:  # only inputs a pending recompute waits for: the one needed last goes
-            best_key = (math.inf, math.inf)
+            best_key = (math.inf, math.inf, math.inf)
             for r, _ in self._candidates(waiting=True):
-                k = (r.need_rank, evaluate(r, now))
+                k = (r.need_rank, evaluate(r, now), r.id)
                 if k < best_key:
                     best, best_key = r, k
         if best is None:  # last resort: a prefetch's buffer, still filling

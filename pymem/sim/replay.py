@@ -499,8 +499,9 @@ class Simulator:
             self._release_window(request)
 
     def _release_key(self, v: _Value) -> tuple:
-        """The order pressure releases in: what no restore waits for first, by the policy's score."""
-        return (v.waits > 0 and v.need_rank, self.policy.evaluate(v, self.clock))
+        """The order pressure releases in: what no restore waits for first, by the policy's score,
+        the oldest of equal scores first (as the runtime's scan)."""
+        return (v.waits > 0 and v.need_rank, self.policy.evaluate(v, self.clock), v.index)
 
     def _lowest(self) -> Optional[_Value]:
         return min((v for v in self.by_addr.values() if self._releasable(v)), key=self._release_key, default=None)
