@@ -146,7 +146,8 @@ class PressureHandler:
         scores = self.scores(records)
         if scores is None:
             scores = [rt.policy.evaluate(r, rt.clock) for r in records]
-        order = [(cands[i][1].data_ptr, records[i]) for i in sorted(range(len(cands)), key=lambda i: (scores[i], records[i].id))]
+        ranked = sorted(range(len(cands)), key=lambda i: (scores[i], records[i].id))  # the oldest of equal scores first
+        order = [(cands[i][1].data_ptr, records[i]) for i in ranked]
         blocks = rt.arena.blocks()
 
         def then(freed: set) -> float:
