@@ -22,9 +22,6 @@ from torch.utils._pytree import tree_flatten
 
 from pymem.cost_model import CostModel
 
-# The fallback for ops the table lacks: bench/plan_ways.py's fixed rates.
-FALLBACK = (1e11, 1e10, 5e-6)
-
 
 def op_key(func, args, kwargs):
     """(op, the shapes of its tensor arguments in order): one table entry."""
@@ -46,10 +43,11 @@ class _OpTimer(TorchDispatchMode):
 
 
 class MeasuredCosts(CostModel):
-    """A ``CostModel`` whose ``seconds`` is the measured median of that op on those shapes."""
+    """A ``CostModel`` whose ``seconds`` is the measured median of that op on those shapes; an op
+    the table lacks is priced at the rates of ``fallback``."""
 
-    def __init__(self, table):
-        super().__init__(*FALLBACK)
+    def __init__(self, table, fallback: CostModel):
+        super().__init__(fallback.flop_rate, fallback.byte_rate, fallback.launch, fallback.device)
         self.table = dict(table)
         self.misses = collections.Counter()  # op name -> calls priced by the fallback rates
 
@@ -64,8 +62,9 @@ class MeasuredCosts(CostModel):
         return f"MeasuredCosts({len(self.table)} ops and shapes)"
 
 
-def measured_costs(step, steps: int = 6, warmup: int = 1) -> MeasuredCosts:
-    """Times every op of ``steps`` calls of ``step()`` (after ``warmup`` untimed ones), unmanaged."""
+def measured_costs(step, fallback: CostModel, steps: int = 6, warmup: int = 1) -> MeasuredCosts:
+    """Times every op of ``steps`` calls of ``step()`` (after ``warmup`` untimed ones), unmanaged;
+    ``fallback`` prices what they never ran."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps!r}")
     for _ in range(warmup):
@@ -74,4 +73,4 @@ def measured_costs(step, steps: int = 6, warmup: int = 1) -> MeasuredCosts:
     with timer:
         for _ in range(steps):
             step()
-    return MeasuredCosts({k: statistics.median(v) for k, v in timer.seconds.items()})
+    return MeasuredCosts({k: statistics.median(v) for k, v in timer.seconds.items()}, fallback)

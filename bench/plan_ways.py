@@ -121,7 +121,7 @@ def main(argv=None):
     for name in a.models.split(","):
         peak = peak_of(name, "plain", False, 2)
         ckpt = peak_of(name, "checkpoint", False, 2)
-        cost = COST if a.costs == "rates" else measured_costs(make(name, "plain", False, []))
+        cost = COST if a.costs == "rates" else measured_costs(make(name, "plain", False, []), COST)
         forward = forward_seconds(name, peak, cost)
         res = out["models"][name] = {"peak_bytes": peak, "checkpoint_peak_bytes": ckpt, "forward_seconds": forward,
                                      "budgets": {}}
