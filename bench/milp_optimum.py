@@ -189,7 +189,8 @@ def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0, freed=None, r
 def _step_profile(step, budget):
     """What both bounds start from: a step's arrays (``pymem.step_trace()``'s), each value's uses
     (each op once), its aligned bytes and death (its last use, or where the step recorded it freed;
-    made before the step: the end), and the bytes over ``budget`` at each position."""
+    made before the step: the end), and the bytes over ``budget`` at each position, the op's
+    temporaries (``op_transient``, where recorded) counted at it."""
     import numpy as np
 
     n, m = len(step["op"]), len(step["value_bytes"])
@@ -211,7 +212,8 @@ def _step_profile(step, budget):
         p.death[v] = n - 1 if made < 0 else max(last, made, died)
         delta[max(made, 0)] += p.size[v]
         delta[p.death[v] + 1] -= p.size[v]
-    p.over = np.maximum(np.cumsum(delta)[:n] - budget, 0)
+    transient = np.asarray(step.get("op_transient", np.zeros(n)), np.int64)  # an op's temporaries, at the op
+    p.over = np.maximum(np.cumsum(delta)[:n] + transient - budget, 0)
     return p
 
 

@@ -80,6 +80,8 @@ Block* Arena::try_allocate_locked(size_t rounded, CostClass cls) {
   const int64_t offset = placement_->planned_offset(rounded);
   Block* b = offset >= 0 ? main_->allocate_at(main_->base() + static_cast<size_t>(offset), rounded) : nullptr;
   const bool placed = b != nullptr;
+  if (!b && offset >= 0 && placement_->keeps_plan())
+    b = main_->allocate_within(placement_->room_for_displaced(main_->size()), rounded);
   if (!b) b = main_->allocate(rounded, cls);
   if (!b) return nullptr;  // pressure, then this again: the same planned offset
   if (offset >= 0) placement_->count_placed(placed);
@@ -96,6 +98,12 @@ void Arena::set_step_placement(bool on) {
 bool Arena::step_placement() const {
   std::lock_guard<std::mutex> lock(mutex_);
   return placement_ != nullptr;
+}
+
+void Arena::set_step_placement_keeps_plan(bool on) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!placement_) throw InvalidArgument("step placement is off: set step_placement = True first");
+  placement_->set_keeps_plan(on);
 }
 
 void Arena::end_step() {
@@ -169,6 +177,11 @@ uintptr_t Arena::allocate(size_t nbytes, CostClass cls, uint64_t owner, double c
       if (pinned) stats_.pinned_bytes += rounded;
       if (stats_.allocated_bytes > stats_.peak_allocated_bytes)
         stats_.peak_allocated_bytes = stats_.allocated_bytes;
+      // Counted as if nothing had been released since mark_op: released bytes made room, they did
+      // not shrink what the op needs (a release of more than the request, to find it one block,
+      // would otherwise read as a temporary).
+      const size_t unreleased = stats_.allocated_bytes + static_cast<size_t>(stats_.released_bytes - op_mark_released_);
+      if (unreleased > op_peak_) op_peak_ = unreleased;
       if (history_) history_->record(HistoryEvent::Action::Alloc, b->addr, b->size);
       return b->addr;
     }
@@ -254,7 +267,10 @@ void Arena::throw_bad_pointer(uintptr_t addr, const char* what) const {
 
 void Arena::release_block_locked(Block* b) {  // b already taken out of allocated_
   stats_.num_frees++;
-  if (handlers_running_.load(std::memory_order_relaxed) > 0) stats_.num_released_blocks++;
+  if (handlers_running_.load(std::memory_order_relaxed) > 0) {
+    stats_.num_released_blocks++;
+    stats_.released_bytes += b->size;
+  }
   stats_.allocated_bytes -= b->size;
   stats_.requested_bytes -= b->requested;
   if (b->pinned) stats_.pinned_bytes -= b->size;
@@ -341,6 +357,20 @@ ArenaStats Arena::stats() const {
 void Arena::reset_peak() {
   std::lock_guard<std::mutex> lock(mutex_);
   stats_.peak_allocated_bytes = stats_.allocated_bytes;
+}
+
+Arena::OpMark Arena::mark_op() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  op_peak_ = stats_.allocated_bytes;
+  op_mark_released_ = stats_.released_bytes;
+  return {stats_.allocated_bytes, stats_.released_bytes};
+}
+
+size_t Arena::transient_since(const OpMark& mark) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  // op_peak_ counts released bytes as still held; so does the end here.
+  const size_t held = std::max(mark.allocated, stats_.allocated_bytes + static_cast<size_t>(stats_.released_bytes - mark.released));
+  return op_peak_ > held ? op_peak_ - held : 0;
 }
 
 std::vector<Block> Arena::blocks() const {

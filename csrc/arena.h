@@ -100,6 +100,9 @@ class Arena {
   // trace); turning it off forgets what was learned.
   void set_step_placement(bool on);
   bool step_placement() const;
+  // Whether the step now starting keeps its placement plan through a displacement (on by default;
+  // step_placement.h). Throws InvalidArgument when placement is off.
+  void set_step_placement_keeps_plan(bool on);
   void end_step();
   // The same, planning around `next_start` (address, size: main-region spans) as the blocks the
   // next step starts with and keeps, instead of the blocks allocated now: for a replay that starts
@@ -113,6 +116,20 @@ class Arena {
 
   ArenaStats stats() const;
   void reset_peak();
+
+  // An op's temporaries, for the step trace (step_trace.h's op_transient): mark_op() before its
+  // kernel, transient_since() after it. The bytes allocated at the kernel's peak above both what
+  // it started and what it ended with, every byte pressure released meanwhile counted as still
+  // held (that room was made for the op; a release can free more than a request needs, to make
+  // it one block). Why: a convolution's backward holds up to 32 MiB of workspace beside its
+  // outputs, which a plan that counts only values does not see. One mark per arena: where threads
+  // allocate at once, each measure includes the others' (a plan's estimate, no more).
+  struct OpMark {
+    size_t allocated;
+    uint64_t released;
+  };
+  OpMark mark_op();
+  size_t transient_since(const OpMark& mark) const;
   std::vector<Block> blocks() const;  // copies, address order (main region, then small)
 
   // The opt-in event log (history.h): max_entries > 0 starts a fresh one, 0 stops recording.
@@ -150,6 +167,8 @@ class Arena {
   std::atomic<SearchMode> mode_;
   std::atomic<int> handlers_running_{0};  // frees while > 0 count as released blocks
   ArenaStats stats_;
+  size_t op_peak_ = 0;             // since the last mark_op: the peak of allocated + released bytes
+  uint64_t op_mark_released_ = 0;  // released_bytes at that mark
   std::unique_ptr<History> history_;  // null: not recording
   std::unique_ptr<StepPlacement> placement_;  // null: best fit alone
 };

@@ -71,6 +71,7 @@ py::dict stats_dict(const ArenaStats& s) {
   d["num_frees"] = s.num_frees;
   d["num_pressure_events"] = s.num_pressure_events;
   d["num_released_blocks"] = s.num_released_blocks;
+  d["released_bytes"] = s.released_bytes;
   d["num_searches"] = s.num_searches;
   d["num_ooms"] = s.num_ooms;
   d["search_seconds"] = double(s.search_ns) * 1e-9;
@@ -276,6 +277,9 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
       .def_property("step_placement", &Arena::step_placement, &Arena::set_step_placement,
                     "Whether each step's large blocks go where the step before showed they block nothing\n"
                     "later (step_placement.h); turning it off forgets what was learned.")
+      .def("set_step_placement_keeps_plan", &Arena::set_step_placement_keeps_plan, py::arg("keep"),
+           "Whether the step now starting keeps its placement plan through a displacement (a block\n"
+           "goes where the plan keeps room for it; default) or leaves it for best fit (step_placement.h).")
       .def(
           "end_step",
           [](Arena& a, std::optional<std::vector<std::pair<uintptr_t, size_t>>> next_start) {
@@ -294,6 +298,14 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
            "the step now starting: how the simulator carries placement from one replay's arena to the next.")
       .def("stats", [](const Arena& a) { return stats_dict(a.stats()); })
       .def("reset_peak_memory_stats", &Arena::reset_peak)
+      .def(
+          "mark_op", [](Arena& a) { const Arena::OpMark m = a.mark_op(); return std::make_pair(m.allocated, m.released); },
+          "Before an op's kernel: (allocated bytes, bytes released by pressure so far), for transient_since.")
+      .def(
+          "transient_since",
+          [](const Arena& a, std::pair<size_t, uint64_t> mark) { return a.transient_since({mark.first, mark.second}); },
+          py::arg("mark"),
+          "After the kernel: the bytes it held at its peak above what it started and ended with (its temporaries).")
       .def("blocks", &Arena::blocks, "Copies of every block, in address order.")
       .def("set_history", &Arena::set_history, py::arg("max_entries"),
            "Record allocations and frees (newest max_entries kept); 0 stops and drops the log.")

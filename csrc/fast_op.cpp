@@ -2,6 +2,7 @@
 // lines of runtime.py it mirrors; the two must change together (tests/test_interception.py trains under both and compares).
 #include "fast_op.h"
 
+#include "arena.h"
 #include "intercept.h"
 #include "recipe.h"
 #include "record.h"
@@ -57,6 +58,8 @@ struct RuntimeRefs {
   py::object view_cost_of;  // the CostModel subclass view_cost_under read last, and its answer
   double view_cost = 0;
   uintptr_t releasable_lo = 0, releasable_hi = 0;  // the backend's releasable_range
+  py::object arena_owner;     // the backend's arena (None: the native allocator)
+  Arena* arena = nullptr;     // arena_owner's, which measures each kernel's temporaries
   PyTypeObject* recipe_type = nullptr;  // records.Recipe
   PyTypeObject* record_type = nullptr;  // records.Record
   py::object home;  // rt.residency, every record's
@@ -354,6 +357,8 @@ void set_fast_path(py::object runtime) {
   R->trace = as_step_trace(R->trace_owner);
   std::tie(R->releasable_lo, R->releasable_hi) =
       runtime.attr("backend").attr("releasable_range").cast<std::pair<uintptr_t, uintptr_t>>();
+  R->arena_owner = runtime.attr("backend").attr("arena");
+  if (!R->arena_owner.is_none()) R->arena = R->arena_owner.cast<Arena*>();
   R->home = runtime.attr("residency");
   py::module_ records = py::module_::import("pymem.runtime.records");
   py::module_ runtime_mod = py::module_::import("pymem.runtime.runtime");
@@ -517,6 +522,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   // The kernel, with the runtime's lock and the GIL released (Runtime._kernel).
   if (!lock_release(R.mutex)) throw py::error_already_set();
   unlock.held = false;
+  const std::optional<Arena::OpMark> mark = R.arena != nullptr ? std::optional(R.arena->mark_op()) : std::nullopt;
   const double t0 = now_seconds();
   std::exception_ptr failure;
   {
@@ -528,6 +534,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     }
   }
   const double t1 = now_seconds();
+  const size_t transient = mark ? R.arena->transient_since(*mark) : 0;
   lock_acquire(R.mutex);
   unlock.held = true;
   if (failure) {
@@ -614,7 +621,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
       ++index;
     }
   }
-  if (R.trace != nullptr && R.trace->record_op(f.code, cost, rs, made))
+  if (R.trace != nullptr && R.trace->record_op(f.code, cost, static_cast<int64_t>(transient), rs, made))
     in_python(R, [&] { R.plan_due(); });  // the step plan releases, or copies out ahead, after this op
   // Last: the op is booked, so the plan's position (the prefetch's in-trigger) is the next op's.
   if (swap_busy(S))  // the kernel's pressure, or the plan, offloaded something

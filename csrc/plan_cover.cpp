@@ -75,10 +75,12 @@ struct Profile {
     }
     live.assign(n, 0);
     int64_t bytes = 0;
+    const bool transients = !s.op_transient.empty();
     for (size_t k = 0; k < n; ++k) {
       bytes += delta[k];
-      live[k] = bytes;
-      excess += std::max<int64_t>(bytes - budget, 0);
+      // An op's temporaries are there only while it runs: they count at its own position.
+      live[k] = bytes + (transients ? s.op_transient[k] : 0);
+      excess += std::max<int64_t>(live[k] - budget, 0);
     }
     if (excess == 0) return;  // a step that never overflows needs nothing else
     // A value's inputs: its producer's, each once (itself left out: an in-place op reads what it

@@ -3,7 +3,8 @@
 //
 // The live bytes of a step that releases nothing are known from its trace: a value occupies its
 // bytes from its producer to its death (its last use, or where the program freed it; values made
-// before the step: the whole step). Where that profile is above the budget, some values must be
+// before the step: the whole step), and an op's temporaries (op_transient) occupy theirs at the op.
+// Where that profile is above the budget, some values must be
 // away. A candidate is one value away across one gap between two of its uses (or its producer and
 // first use; or, a tail, from its last use to its death: that one costs nothing): released right
 // after the earlier op, rerun for the later one. It frees its bytes over the gap, where they count
@@ -21,7 +22,7 @@
 // (an extra rerun, and a planned release at a position that does not read it). A candidate whose
 // gap holds a rerun that reads it is away until then and stays, or away across the whole gap and
 // back for each such rerun (whichever covers more per second). Its profile is then what the
-// runtime will see up to temporaries (inside ops, a rerun's dead inputs) and fragmentation.
+// runtime will see up to a rerun's temporaries (its dead inputs, its kernel's) and fragmentation.
 //
 // Neither wins everywhere (fixed op costs, bench/plan_ways.py and bench/milp_optimum.py): on the
 // MILP's 6-layer MLP at 0.6 of its peak, rebuild 1.99 ms of recompute against the release-only

@@ -1,6 +1,8 @@
 // region.cpp — block list, best-fit index, coalescing. Placement lives in placement.cpp.
 #include "region.h"
 
+#include <algorithm>
+
 namespace pymem {
 
 namespace {
@@ -84,6 +86,20 @@ Block* Region::split_after(Block* b, size_t keep) {
   b->next = nb;
   b->size = keep;
   return nb;
+}
+
+Block* Region::allocate_within(const std::vector<std::pair<size_t, size_t>>& ranges, size_t rounded) {
+  size_t r = 0;
+  for (Block* b = first_; b != nullptr && r < ranges.size(); b = b->next) {
+    if (b->allocated || b->size < rounded) continue;
+    const size_t lo = b->addr - base_, hi = lo + b->size;
+    while (r < ranges.size() && ranges[r].second <= lo) ++r;  // ranges wholly below this block
+    for (size_t q = r; q < ranges.size() && ranges[q].first < hi; ++q) {
+      const size_t from = std::max(lo, ranges[q].first), to = std::min(hi, ranges[q].second);
+      if (to >= from + rounded) return carve(b, base_ + from, rounded);
+    }
+  }
+  return nullptr;
 }
 
 Block* Region::carve(Block* fb, uintptr_t addr, size_t rounded) {

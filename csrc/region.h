@@ -9,6 +9,7 @@
 // Not thread-safe: the owning Arena's mutex guards it.
 #pragma once
 
+#include <utility>
 #include <vector>
 
 #include "free_index.h"
@@ -44,6 +45,11 @@ class Region {
     Block* fb = free_.highest(rounded);
     return fb ? carve(fb, fb->addr + fb->size - rounded, rounded) : nullptr;
   }
+
+  // Allocate `rounded` bytes at the lowest address where a free block and one of `ranges` (offsets
+  // from base, ascending, disjoint) overlap by that much, or null: a displaced block of the step
+  // placement, put where its plan keeps room (step_placement.h). Walks the blocks: a rare path.
+  Block* allocate_within(const std::vector<std::pair<size_t, size_t>>& ranges, size_t rounded);
 
   Block* first() const { return first_; }
   uintptr_t base() const { return base_; }

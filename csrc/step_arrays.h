@@ -10,6 +10,7 @@ namespace pymem {
 struct StepArrays {
   std::vector<int32_t> op;
   std::vector<double> op_cost;
+  std::vector<int64_t> op_transient;  // optional (empty: none known); see step_trace.h
   std::vector<int64_t> inputs_start{0};
   std::vector<int32_t> inputs;
   std::vector<int64_t> outputs_start{0};

@@ -36,20 +36,34 @@ void StepPlacement::freed(uint32_t serial) {
   ++clock_;
 }
 
+std::vector<std::pair<size_t, size_t>> StepPlacement::room_for_displaced(size_t region_size) const {
+  std::vector<std::pair<size_t, size_t>> room;
+  if (matched_ == SIZE_MAX || matched_ >= span_of_.size() || span_of_[matched_] < 0) return room;
+  const Span& own = spans_[static_cast<size_t>(span_of_[matched_])];
+  std::vector<std::pair<size_t, size_t>> taken;
+  for (const Span& p : spans_)
+    if (p.index != static_cast<int64_t>(matched_) && p.meets(own.from, own.to)) taken.emplace_back(p.offset, p.offset + p.size);
+  std::sort(taken.begin(), taken.end());
+  size_t cursor = 0;
+  for (const auto& [lo, hi] : taken) {
+    if (lo > cursor) room.emplace_back(cursor, lo);
+    cursor = std::max(cursor, hi);
+  }
+  if (cursor < region_size) room.emplace_back(cursor, region_size);
+  return room;
+}
+
 void StepPlacement::set_plan(std::vector<int64_t> offsets, std::vector<size_t> sizes) {
   plan_ = std::move(offsets);
   plan_size_ = std::move(sizes);
+  spans_.clear();  // lifetimes not known: a displaced block goes by best fit
+  span_of_.clear();
   next_ = 0;
   matched_ = SIZE_MAX;
   diverged_ = false;
 }
 
 void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) {
-  struct Span {  // a block's bytes over a stretch of the next step's clock
-    size_t offset, size;
-    int64_t from, to;
-    bool meets(int64_t f, int64_t t) const { return from < t && f < to; }
-  };
   std::vector<Span> placed;  // by offset
   placed.reserve(live.size() + now_.size.size());
   for (const Live& l : live) {
@@ -59,7 +73,7 @@ void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) 
       if (k < before_freed_at_.size() && before_.size[k] == now_.size[k] && before_freed_at_[k] >= 0)
         until = before_freed_at_[k];
     }
-    placed.push_back({l.offset, l.size, 0, until});
+    placed.push_back({l.offset, l.size, 0, until, -1});
   }
   std::sort(placed.begin(), placed.end(), [](const Span& a, const Span& b) { return a.offset < b.offset; });
 
@@ -87,9 +101,13 @@ void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) 
     if (cursor + size > region_size) continue;  // does not fit beside the rest: best fit decides
     plan_[k] = static_cast<int64_t>(cursor);
     while (at > 0 && placed[at - 1].offset > cursor) --at;  // keep offset order (at may lie past cursor)
-    placed.insert(placed.begin() + at, {cursor, size, from, to});
+    placed.insert(placed.begin() + at, {cursor, size, from, to, static_cast<int64_t>(k)});
   }
   plan_size_ = n ? now_.size : std::vector<size_t>();
+  spans_ = std::move(placed);
+  span_of_.assign(n, -1);
+  for (size_t i = 0; i < spans_.size(); ++i)
+    if (spans_[i].index >= 0) span_of_[static_cast<size_t>(spans_[i].index)] = static_cast<int64_t>(i);
   diverged_ = false;
   next_ = 0;
   matched_ = SIZE_MAX;

@@ -15,17 +15,27 @@
 // by zero_grad early in the next step), or for ever. Blocks are placed largest first, each at the
 // lowest offset no time-overlapping placed block covers; one that would pass the region's end gets
 // no offset. In the next step, allocation k takes its planned offset when that range is free. When
-// it is not (the step released or brought back other values than the one before), or a request is
-// of no size the plan has next, the step has left its plan: it and the rest of the step are placed
-// by best fit, as with no plan. Why not keep following the plan past that: a plan only holds
-// together whole; in the runtime's steps (bench/plan_ways.py), taking the planned offsets that were
-// still free after a displacement moved more bytes per step than best fit on most models. Nothing
+// it is not, a block of this step outlived its counterpart of the step before (the step before's
+// pressure released it there, or compaction moved it): allocation k is displaced. It then goes to
+// the lowest free range that no planned block whose lifetime meets k's covers (the plan's room for
+// it elsewhere), or where there is none, by best fit; the step goes on with its plan. Why not best
+// fit for the rest of the step, as before: a displacement recurs every step (each step's pressure
+// releases are what the next step's plan is made around), and best fit from there on fragments the
+// rest of the step; with the plan's room, the transformer of bench/plan_ways.py at 0.3 of its peak
+// moved 6 MiB a step instead of 32, deep there 8 instead of 14 (best fit for a displaced block
+// alone, the rest as planned, moved more than both). That holds where steps repeat: the runtime
+// keeps the plan through displacements only in a step planned the same way as the step its
+// placement comes from (plan_choice.h: a switch of ways displaces blocks all over the step, and
+// best fit places the rest with fewer moves). Only a request of no size the plan has next leaves
+// the plan (and a displacement, in a plan taken over by set_plan, which knows no lifetimes, or
+// where the runtime says so): it and the rest of the step are placed by best fit, as with no plan. Nothing
 // here decides what is released, and an offset is only taken where it is free: the plan changes
 // addresses, never contents.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace pymem {
@@ -62,10 +72,20 @@ class StepPlacement {
   void set_plan(std::vector<int64_t> offsets, std::vector<size_t> sizes);
   int64_t num_placed() const { return num_placed_; }    // blocks that got their planned offset
   int64_t num_displaced() const { return num_displaced_; }  // planned ones whose range was taken
+  // A plan taken over by set_plan knows no lifetimes: there a displacement leaves the plan (best
+  // fit for the rest of the step), as the simulator's replays always did.
   void count_placed(bool placed) {
     (placed ? num_placed_ : num_displaced_)++;
-    if (!placed) diverged_ = true;
+    if (!placed && !keeps_plan()) diverged_ = true;
   }
+  // Whether a displaced allocation goes to the plan's room and the step keeps its plan (else best
+  // fit for the rest of the step): set per step by the runtime (Arena::set_step_placement_keeps_plan).
+  bool keeps_plan() const { return keep_plan_ && !spans_.empty(); }
+  void set_keeps_plan(bool on) { keep_plan_ = on; }
+  // For the allocation planned_offset just matched, displaced: the main-region offset ranges
+  // [lo, hi) (ascending) that no planned block whose lifetime meets its own covers, nor a block
+  // the step before ended with while it lasts. Empty where the plan knows no lifetimes (set_plan).
+  std::vector<std::pair<size_t, size_t>> room_for_displaced(size_t region_size) const;
 
  private:
   static constexpr int64_t kNever = INT64_MAX;
@@ -77,7 +97,18 @@ class StepPlacement {
   };
   std::vector<int64_t> plan_;  // offset per allocation index of this step (-1: best fit)
   std::vector<size_t> plan_size_;
+  // The plan's blocks over the step's clock (the step before's), for room_for_displaced: each
+  // planned allocation (index), and the blocks the step before ended with (index -1).
+  struct Span {
+    size_t offset, size;
+    int64_t from, to;  // [from, to) of the clock
+    int64_t index;
+    bool meets(int64_t f, int64_t t) const { return from < t && f < to; }
+  };
+  std::vector<Span> spans_;
+  std::vector<int64_t> span_of_;  // by allocation index: its span in spans_ (-1: none)
   bool diverged_ = false;  // the step left its plan: best fit for the rest of it
+  bool keep_plan_ = true;
   size_t next_ = 0;  // the plan's first allocation not yet matched in this step
   size_t matched_ = SIZE_MAX;  // what planned_offset matched, taken by allocated() (a retry after pressure asks again)
   static constexpr size_t kLookahead = 16;

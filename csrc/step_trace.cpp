@@ -39,6 +39,10 @@ void check_step(const StepArrays& s) {
   const auto bad = [](const std::string& what) { throw py::value_error("pymem: bad step arrays: " + what); };
   if (s.op_cost.size() != n || s.inputs_start.size() != n + 1 || s.outputs_start.size() != n + 1)
     bad("op_cost needs one entry per op, inputs_start and outputs_start one more");
+  if (!s.op_transient.empty() && s.op_transient.size() != n)
+    bad("op_transient, when given, needs one entry per op");
+  if (!std::all_of(s.op_transient.begin(), s.op_transient.end(), [](int64_t b) { return b >= 0 && b < (int64_t{1} << 48); }))
+    bad("op_transient must be between 0 and 2**48");
   if (s.value_producer.size() != m || s.value_recomputable.size() != m)
     bad("value_producer and value_recomputable need one entry per value (value_bytes)");
   if (!s.value_free_at.empty() && s.value_free_at.size() != m)
@@ -84,6 +88,7 @@ StepArrays step_from_dict(py::dict d) {
   StepArrays s;
   get_key(d, "op", s.op);
   get_key(d, "op_cost", s.op_cost);
+  if (d.contains("op_transient")) get_key(d, "op_transient", s.op_transient);
   get_key(d, "inputs_start", s.inputs_start);
   get_key(d, "inputs", s.inputs);
   get_key(d, "outputs_start", s.outputs_start);
@@ -126,6 +131,7 @@ py::dict as_dict(const StepArrays& s) {
   py::dict d;
   d["op"] = as_array(s.op);
   d["op_cost"] = as_array(s.op_cost);
+  if (!s.op_transient.empty()) d["op_transient"] = as_array(s.op_transient);
   d["inputs_start"] = as_array(s.inputs_start);
   d["inputs"] = as_array(s.inputs);
   d["outputs_start"] = as_array(s.outputs_start);
@@ -190,7 +196,7 @@ int32_t StepTrace::new_value(RecordObject* r, int32_t producer) {
   return v;
 }
 
-bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs,
+bool StepTrace::record_op(int32_t code, double cost, int64_t transient, c10::ArrayRef<RecordObject*> inputs,
                           c10::ArrayRef<RecordObject*> made) {
   if (current_.op.size() >= kMaxStepOps) {  // no step mark for this long: a trace of no use
     current_ = StepArrays();
@@ -217,6 +223,7 @@ bool StepTrace::record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*
   }
   s.op.push_back(code);
   s.op_cost.push_back(cost);
+  s.op_transient.push_back(transient);
   s.inputs_start.push_back(static_cast<int64_t>(s.inputs.size()));
   s.outputs_start.push_back(static_cast<int64_t>(s.outputs.size()));
   if (following_ && !plan_.matches(s, static_cast<size_t>(k))) {
@@ -420,11 +427,13 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       .def(py::init<>())
       .def(
           "record",
-          [](StepTrace& t, int32_t code, double cost, py::handle inputs, py::handle made) {
-            return t.record_op(code, cost, records_of(inputs), records_of(made));
+          [](StepTrace& t, int32_t code, double cost, py::handle inputs, py::handle made, int64_t transient) {
+            if (transient < 0) throw py::value_error("pymem: an op's transient bytes cannot be negative, got " + std::to_string(transient));
+            return t.record_op(code, cost, transient, records_of(inputs), records_of(made));
           },
-          py::arg("code"), py::arg("cost"), py::arg("inputs"), py::arg("made"),
-          "One op execution: its code (op_code), cost, input records (None: unmanaged) and the records it made. "
+          py::arg("code"), py::arg("cost"), py::arg("inputs"), py::arg("made"), py::arg("transient") = 0,
+          "One op execution: its code (op_code), cost, input records (None: unmanaged), the records it made and its "
+          "kernel's temporaries in bytes (Arena.transient_since). "
           "True when the plan has work due after it: releases (take_due), copies out ahead (take_ahead).")
       .def(
           "note_release", [](StepTrace& t, py::handle r) { t.note_release(record_arg(r, "note_release")); },

@@ -11,6 +11,11 @@
 //
 //   ops (n):     op[k]           the op's code (op_name(code) gives its name, "aten.mm.default"; codes are per process)
 //                op_cost[k]      its cost in seconds (measured, or the cost model's)
+//                op_transient[k] bytes its kernel held at its peak beyond its inputs and outputs
+//                                (workspace, temporaries: Arena::transient_since); optional
+//                                (empty: none known, as on the meta device). The plan counts
+//                                them at the op (plan_cover.h): a convolution's backward takes
+//                                up to 32 MiB of them on the CPU.
 //                inputs_start[k] .. inputs_start[k+1]    its inputs: indices into `inputs` (value
 //                                indices, in argument order, unmanaged tensors left out)
 //                outputs_start[k] .. outputs_start[k+1]  its outputs that are fresh values: indices
@@ -66,7 +71,9 @@ class StepTrace {
   // made (fresh outputs, and written values that became new records).
   // True when the plan has work due after this op: take_due() gives the records it releases,
   // take_ahead() those to copy out ahead.
-  bool record_op(int32_t code, double cost, c10::ArrayRef<RecordObject*> inputs, c10::ArrayRef<RecordObject*> made);
+  // `transient`: the kernel's temporaries (op_transient).
+  bool record_op(int32_t code, double cost, int64_t transient, c10::ArrayRef<RecordObject*> inputs,
+                 c10::ArrayRef<RecordObject*> made);
   // The current step is complete: it becomes the last step, and a new one starts (planned from it
   // when planning). `moved_seconds`: what its compactions' moves cost (the runtime prices them).
   void end_step(double moved_seconds = 0);

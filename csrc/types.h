@@ -97,6 +97,7 @@ struct ArenaStats {
   uint64_t num_allocs = 0, num_frees = 0;
   uint64_t num_pressure_events = 0;  // allocations that found no fit and asked for release
   uint64_t num_released_blocks = 0;  // blocks freed while a pressure handler ran
+  uint64_t released_bytes = 0;       // and their bytes
   uint64_t num_searches = 0;         // window searches run
   uint64_t num_ooms = 0;             // allocations that failed with OutOfBudget
   uint64_t search_ns = 0;            // time spent in window searches

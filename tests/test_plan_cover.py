@@ -103,6 +103,21 @@ def test_bad_step_arrays_are_a_clear_error(cover):
         cover(dict(s, value_free_at=[-1]), KB)
     with pytest.raises(ValueError, match=r"value_free_at must be an op position or -1"):
         cover(dict(s, value_free_at=[-1, 1]), KB)
+    with pytest.raises(ValueError, match=r"op_transient, when given, needs one entry per op"):
+        cover(dict(s, op_transient=[0, 0]), KB)
+    with pytest.raises(ValueError, match=r"op_transient must be between 0 and 2\*\*48"):
+        cover(dict(s, op_transient=[-1]), KB)
+
+
+@pytest.mark.parametrize("cover", COVERS, ids=["lineage", "rebuild"])
+def test_an_ops_temporaries_count_at_that_op(cover):
+    # x (0); ops 0-3 make a = f(x) (1), b = g(a) (2), c = h(b) (3), d = k(a, c) (4). At most 4 KB
+    # are live (at op 2: x, a, b, c): no overflow under 4 KB, until op 2's kernel takes 1 KB of
+    # workspace beside them. Then a, read again by op 3, is away across op 2 (b and c are op 2's own).
+    s = _step([(1, [0]), (5, [1]), (1, [2]), (1, [1, 3])])
+    assert cover(s, 4 * KB) == []
+    assert cover(dict(s, op_transient=[0, 0, KB, 0]), 4 * KB) == [(1, 1)]
+    assert cover(dict(s, op_transient=[0, 0, KB // 2, 0]), 4 * KB + KB // 2) == []
 
 
 def test_a_cover_plan_trains_bitwise_equal_in_budget_and_repeats(managed):

@@ -83,6 +83,41 @@ def test_a_block_that_outlives_its_step_is_planned_around_its_successor():
     assert a.stats()["num_displaced_from_plan"] == 0
 
 
+def test_a_displaced_block_goes_where_its_plan_keeps_room_and_the_step_keeps_its_plan():
+    """p lives all step; b dies at once; x comes after b's death, then y. The plan puts x where b
+    was (offset 1 MiB) and y beside it (2 MiB). A step where b outlives its counterpart displaces
+    x: it goes to the room the plan keeps free over x's lifetime (3 MiB: 0 is p's, 2 is y's), not
+    by best fit (2 MiB, y's), and y still gets its planned offset."""
+    a, live = _compacting_arena(4 * MiB, True)
+
+    def step(b_dies_first):
+        p, b = a.allocate(MiB), a.allocate(MiB)
+        if b_dies_first:
+            a.free(b)
+        x, y = a.allocate(MiB), a.allocate(MiB)
+        offsets = [x - a.base, y - a.base]
+        for addr in (x, y, p) + (() if b_dies_first else (b,)):
+            a.free(addr)
+        a.end_step()
+        return offsets
+
+    step(True)  # the step the plan is learned from
+    assert step(True) == [MiB, 2 * MiB]
+    before = a.stats()
+    assert step(False) == [3 * MiB, 2 * MiB]
+    after = a.stats()
+    assert after["num_displaced_from_plan"] - before["num_displaced_from_plan"] == 1
+    assert after["num_placed_as_planned"] - before["num_placed_as_planned"] == 3  # p, b, y
+    assert after["moved_bytes"] == before["moved_bytes"]
+    a.set_step_placement_keeps_plan(False)  # the runtime's choice after a switch of ways: best fit from there
+    step(True)
+    before = a.stats()
+    step(False)
+    after = a.stats()
+    assert after["num_displaced_from_plan"] - before["num_displaced_from_plan"] == 1
+    assert after["num_placed_as_planned"] - before["num_placed_as_planned"] == 2  # p, b; y by best fit
+
+
 def test_a_plan_taken_over_by_a_fresh_arena_places_its_step_as_in_the_arena_that_learned_it():
     """The simulator's use: each replay in its own arena, the plan carried over; and the step's end
     planned around the blocks the next step starts with (next_start) rather than those left now."""

@@ -485,6 +485,8 @@ class Runtime(_C.RuntimeBase):
             # write these buffers until its Work completes, which pymem does not see. They never
             # move again (pinned); a collective's inputs are never released anyway (written: leaves).
             pin = info.collective and in_flight(info, args, kwargs)
+            arena = self.backend.arena  # measures the kernel's temporaries (the step trace's op_transient)
+            mark = arena.mark_op() if arena is not None else None
             try:
                 out = self._kernel(func, args, kwargs)
                 if pin:
@@ -498,6 +500,7 @@ class Runtime(_C.RuntimeBase):
                     out = self.run_again(func, args, kwargs, e, rng)
                 except _Refused as e2:
                     raise self._run_error(info.name, recs, e2) from None
+            transient = arena.transient_since(mark) if mark is not None else 0
             estimate = self.cost_model
             if estimate is None:
                 cost = _perf() - t0 - (_handler_seconds() - handled)
@@ -565,7 +568,7 @@ class Runtime(_C.RuntimeBase):
         elif out.__class__ is tuple or out.__class__ is list:
             outs = remat._flat(out)
         else:
-            self._booked(info.code, cost, recs, made)
+            self._booked(info.code, cost, recs, made, transient)
             return out
         for i, o in enumerate(outs):
             if not isinstance(o, _Tensor) or not on_device(o):
@@ -589,13 +592,13 @@ class Runtime(_C.RuntimeBase):
                 self.pin_for_good(new, "collective")
             if recipe is not None:
                 self._link(recs, new)
-        self._booked(info.code, cost, recs, made)
+        self._booked(info.code, cost, recs, made, transient)
         return out
 
-    def _booked(self, code: int, cost: float, recs: list, made: list) -> None:
+    def _booked(self, code: int, cost: float, recs: list, made: list, transient: int) -> None:
         """The op ran and its outputs have records: the trace books it, the plan does what it has
         due, then copies back start (after the booking: the plan's position is the next op's)."""
-        if self.trace.record(code, cost, recs, made):
+        if self.trace.record(code, cost, recs, made, transient):
             self.plan_due()
         swap = self.swap
         if swap is not None and (swap.offloaded or swap.planned or swap.in_flight or swap.out_flight):
@@ -623,9 +626,15 @@ class Runtime(_C.RuntimeBase):
         """A training step is complete (its optimizer stepped, or ``pymem.step()``): the trace plans
         the next from it."""
         with self.lock:
+            way = self.trace.plan_releases if self.trace.following else None  # how the step that ended was planned
             self.trace.end_step(self._moved_seconds())
             if self.arena is not None:
                 self.arena.end_step()  # the step placement plans the next (nothing while off)
+                if self.arena.step_placement:
+                    # Through a displacement only where the next step is planned as this one was:
+                    # after a switch of ways blocks are displaced all over, and best fit moves less.
+                    self.arena.set_step_placement_keeps_plan(
+                        way is not None and self.trace.following and self.trace.plan_releases == way)
             if self.swap is not None:
                 self.swap.end_step()
 
