@@ -21,16 +21,16 @@
 // it elsewhere), or where there is none, by best fit; the step goes on with its plan. Why not best
 // fit for the rest of the step, as before: a displacement recurs every step (each step's pressure
 // releases are what the next step's plan is made around), and best fit from there on fragments the
-// rest of the step; with the plan's room, the transformer of bench/plan_ways.py at 0.3 of its peak
-// moved 6 MiB a step instead of 32, deep there 8 instead of 14 (best fit for a displaced block
-// alone, the rest as planned, moved more than both). That holds where steps repeat: the runtime
-// keeps the plan through displacements only in a step planned the same way as the step its
-// placement comes from (plan_choice.h: a switch of ways displaces blocks all over the step, and
-// best fit places the rest with fewer moves). Only a request of no size the plan has next leaves
-// the plan (and a displacement, in a plan taken over by set_plan, which knows no lifetimes, or
-// where the runtime says so): it and the rest of the step are placed by best fit, as with no plan. Nothing
-// here decides what is released, and an offset is only taken where it is free: the plan changes
-// addresses, never contents.
+// rest of the step; with the plan's room, the transformer of bench/plan_ways.py at 0.3 of its peak,
+// the cover followed every step, moved 6 MiB a step instead of 32, deep there 8 instead of 14
+// (leaving the plan where no room is found moved 48-53 on the transformer). That holds where
+// steps repeat: the runtime keeps the plan through displacements only in a step planned the same
+// way as the step its placement comes from (plan_choice.h: a switch of ways displaces blocks all
+// over the step, and best fit places the rest with fewer moves). Only a request of no size the
+// plan has next leaves the plan (and a displacement, in a plan taken over by set_plan, which knows
+// no lifetimes, or where the runtime says so): it and the rest of the step are placed by best fit,
+// as with no plan. Nothing here decides what is released, and an offset is only taken where it is
+// free: the plan changes addresses, never contents.
 #pragma once
 
 #include <cstddef>
