@@ -13,6 +13,8 @@ rerun's ``clone``, say; ``misses`` counts them). Within one process every run th
 decisions at the CPU's relative costs.
 """
 import collections
+import json
+import os
 import statistics
 import time
 
@@ -74,3 +76,35 @@ def measured_costs(step, fallback: CostModel, steps: int = 6, warmup: int = 1) -
         for _ in range(steps):
             step()
     return MeasuredCosts({k: statistics.median(v) for k, v in timer.seconds.items()}, fallback)
+
+
+def save_costs(costs: MeasuredCosts, path: str) -> None:
+    """Writes the table as JSON ([op, [shape, ...], seconds] per entry), to run again at exactly
+    these costs on another day (``load_costs``)."""
+    rows = [[op, [list(shape) for shape in shapes], seconds] for (op, shapes), seconds in sorted(costs.table.items())]
+    with open(path, "w") as f:
+        json.dump(rows, f)
+
+
+def load_costs(path: str, fallback: CostModel) -> MeasuredCosts:
+    """A table ``save_costs`` wrote; a file that is not one is a ValueError that says what is wrong."""
+    with open(path) as f:
+        rows = json.load(f)
+    table = {}
+    for row in rows:
+        if not (isinstance(row, list) and len(row) == 3 and isinstance(row[0], str) and isinstance(row[1], list)
+                and isinstance(row[2], (int, float)) and row[2] >= 0):
+            raise ValueError(f"{path}: each entry must be [op name, [shape, ...], seconds >= 0], got {row!r}")
+        table[(row[0], tuple(tuple(shape) for shape in row[1]))] = float(row[2])
+    return MeasuredCosts(table, fallback)
+
+
+def costs_for(step, fallback: CostModel, path=None) -> MeasuredCosts:
+    """``measured_costs(step)``, or where ``path`` names a table already saved, that table; a table
+    measured is saved there (when ``path`` is given) for the next run."""
+    if path is not None and os.path.exists(path):
+        return load_costs(path, fallback)
+    costs = measured_costs(step, fallback)
+    if path is not None:
+        save_costs(costs, path)
+    return costs

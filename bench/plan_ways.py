@@ -1,7 +1,8 @@
 """Which way the step plan settles on, and what each costs, with fixed op costs (no timer noise).
 
     python bench/plan_ways.py [--models transformer,deep,cnn] [--ratios ckpt,0.5,0.3] [--steps 18]
-                              [--costs rates|measured] [--bound] [--no-step-placement] [--json FILE]
+                              [--costs rates|measured] [--cost-tables DIR] [--bound] [--no-step-placement]
+                              [--json FILE]
 
 For each model of bench/vs_checkpoint.py and each budget (``ckpt``: the checkpoint-every-block
 peak; a number: that share of the unmanaged peak), in one process: ``--steps`` training steps with
@@ -21,7 +22,9 @@ peak it is the optimum itself). ``--no-step-placement``: ``plan="auto"`` with it
 ``--costs measured``: instead of those rates, each op's cost measured on this CPU once per model
 (the median of six unmanaged steps, per op and input shapes: bench/op_costs.py), then fixed, so
 decisions still repeat run to run, at the costs ``cost="measured"`` would see (dropout's
-``bernoulli_`` dearer than a matmul, which the rates miss).
+``bernoulli_`` dearer than a matmul, which the rates miss). ``--cost-tables DIR``: each model's table
+kept in ``DIR/MODEL.json`` (measured and saved when missing, else loaded), so two builds or two days
+compare at the same costs.
 """
 import argparse
 import gc
@@ -38,7 +41,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
 sys.path.insert(0, os.path.join(_ROOT, "bench"))
 import pymem  # noqa: E402
-from op_costs import measured_costs  # noqa: E402
+from op_costs import costs_for  # noqa: E402
 from pymem.cost_model import CostModel  # noqa: E402
 from vs_checkpoint import make, peak_of  # noqa: E402
 
@@ -109,8 +112,15 @@ def main(argv=None):
                     help='plan="auto" with the arena\'s step placement off (csrc/step_placement.h)')
     ap.add_argument("--costs", choices=("rates", "measured"), default="rates",
                     help="op costs: the fixed rates CostModel(1e11, 1e10, 5e-6), or each op's measured once (op_costs.py)")
+    ap.add_argument("--cost-tables", metavar="DIR",
+                    help="with --costs measured: each model's table is DIR/MODEL.json, measured and saved there "
+                         "when missing, else loaded, so runs on other days or builds use the same costs")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
+    if a.cost_tables is not None:
+        if a.costs != "measured":
+            ap.error("--cost-tables needs --costs measured")
+        os.makedirs(a.cost_tables, exist_ok=True)
     torch.set_num_threads(a.threads)
     settled_from = pymem._C.PlanChoice.TRIAL_STEPS + 2  # the plan starts at step 3, then the trials
     if a.steps <= settled_from:
@@ -121,7 +131,8 @@ def main(argv=None):
     for name in a.models.split(","):
         peak = peak_of(name, "plain", False, 2)
         ckpt = peak_of(name, "checkpoint", False, 2)
-        cost = COST if a.costs == "rates" else measured_costs(make(name, "plain", False, []), COST)
+        table = os.path.join(a.cost_tables, f"{name}.json") if a.cost_tables else None
+        cost = COST if a.costs == "rates" else costs_for(make(name, "plain", False, []), COST, table)
         forward = forward_seconds(name, peak, cost)
         res = out["models"][name] = {"peak_bytes": peak, "checkpoint_peak_bytes": ckpt, "forward_seconds": forward,
                                      "budgets": {}}

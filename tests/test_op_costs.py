@@ -6,12 +6,14 @@ import sys
 
 import torch
 
+import pytest
+
 import pymem
 import runtime_models as rm
 from pymem.cost_model import CostModel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
-from op_costs import measured_costs, op_key  # noqa: E402
+from op_costs import costs_for, load_costs, measured_costs, op_key  # noqa: E402
 
 aten = torch.ops.aten
 RATES = CostModel(1e11, 1e10, 5e-6)  # for what the table lacks
@@ -31,6 +33,17 @@ def test_an_op_seen_is_priced_at_its_median_and_an_op_not_seen_by_the_rates():
         aten.mm.default, (a, c), {}, [a, c], out)
     assert costs.misses == {"aten.mm.default": 1}
     assert any(name == "aten.bernoulli_.float" for name, _ in costs.table)
+
+
+def test_a_table_saved_once_is_what_later_runs_price_by(tmp_path):
+    a, b = torch.randn(64, 32), torch.randn(32, 48)
+    path = str(tmp_path / "mm.json")
+    first = costs_for(lambda: a @ b, RATES, path)  # measured, then saved
+    again = costs_for(lambda: (_ for _ in ()).throw(AssertionError("measured again")), RATES, path)
+    assert again.table == first.table and again.flop_rate == RATES.flop_rate
+    (tmp_path / "bad.json").write_text('[["aten.mm.default", [[64, 32]], -1]]')
+    with pytest.raises(ValueError, match=r"each entry must be \[op name, \[shape, ...\], seconds >= 0\]"):
+        load_costs(str(tmp_path / "bad.json"), RATES)
 
 
 def _managed(costs, budget, steps):
