@@ -40,14 +40,11 @@ std::vector<std::pair<size_t, size_t>> StepPlacement::room_for_displaced(size_t 
   std::vector<std::pair<size_t, size_t>> room;
   if (matched_ == SIZE_MAX || matched_ >= span_of_.size() || span_of_[matched_] < 0) return room;
   const Span& own = spans_[static_cast<size_t>(span_of_[matched_])];
-  std::vector<std::pair<size_t, size_t>> taken;
-  for (const Span& p : spans_)
-    if (p.index != static_cast<int64_t>(matched_) && p.meets(own.from, own.to)) taken.emplace_back(p.offset, p.offset + p.size);
-  std::sort(taken.begin(), taken.end());
-  size_t cursor = 0;
-  for (const auto& [lo, hi] : taken) {
-    if (lo > cursor) room.emplace_back(cursor, lo);
-    cursor = std::max(cursor, hi);
+  size_t cursor = 0;  // spans_ is in offset order (end_step): the gaps between the ones that meet own are its room
+  for (const Span& p : spans_) {
+    if (p.index == static_cast<int64_t>(matched_) || !p.meets(own.from, own.to)) continue;
+    if (p.offset > cursor) room.emplace_back(cursor, p.offset);
+    cursor = std::max(cursor, p.offset + p.size);
   }
   if (cursor < region_size) room.emplace_back(cursor, region_size);
   return room;

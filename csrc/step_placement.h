@@ -72,14 +72,14 @@ class StepPlacement {
   void set_plan(std::vector<int64_t> offsets, std::vector<size_t> sizes);
   int64_t num_placed() const { return num_placed_; }    // blocks that got their planned offset
   int64_t num_displaced() const { return num_displaced_; }  // planned ones whose range was taken
-  // A plan taken over by set_plan knows no lifetimes: there a displacement leaves the plan (best
-  // fit for the rest of the step), as the simulator's replays always did.
+  // A displacement leaves the plan (best fit for the rest of the step) unless keeps_plan().
   void count_placed(bool placed) {
     (placed ? num_placed_ : num_displaced_)++;
     if (!placed && !keeps_plan()) diverged_ = true;
   }
-  // Whether a displaced allocation goes to the plan's room and the step keeps its plan (else best
-  // fit for the rest of the step): set per step by the runtime (Arena::set_step_placement_keeps_plan).
+  // Whether a displaced allocation goes to the plan's room and the step keeps its plan: as the
+  // runtime sets it per step (Arena::set_step_placement_keeps_plan), and never in a plan taken
+  // over by set_plan, which knows no lifetimes (the simulator's replays, as before).
   bool keeps_plan() const { return keep_plan_ && !spans_.empty(); }
   void set_keeps_plan(bool on) { keep_plan_ = on; }
   // For the allocation planned_offset just matched, displaced: the main-region offset ranges
@@ -97,8 +97,9 @@ class StepPlacement {
   };
   std::vector<int64_t> plan_;  // offset per allocation index of this step (-1: best fit)
   std::vector<size_t> plan_size_;
-  // The plan's blocks over the step's clock (the step before's), for room_for_displaced: each
-  // planned allocation (index), and the blocks the step before ended with (index -1).
+  // The plan's blocks over the step's clock (the step before's), in offset order, for
+  // room_for_displaced: each planned allocation (index), and the blocks the step before ended
+  // with (index -1).
   struct Span {
     size_t offset, size;
     int64_t from, to;  // [from, to) of the clock

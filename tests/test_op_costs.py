@@ -39,7 +39,11 @@ def test_a_table_saved_once_is_what_later_runs_price_by(tmp_path):
     a, b = torch.randn(64, 32), torch.randn(32, 48)
     path = str(tmp_path / "mm.json")
     first = costs_for(lambda: a @ b, RATES, path)  # measured, then saved
-    again = costs_for(lambda: (_ for _ in ()).throw(AssertionError("measured again")), RATES, path)
+
+    def not_measured_again():
+        raise AssertionError("the saved table should have been loaded, not measured again")
+
+    again = costs_for(not_measured_again, RATES, path)
     assert again.table == first.table and again.flop_rate == RATES.flop_rate
     (tmp_path / "bad.json").write_text('[["aten.mm.default", [[64, 32]], -1]]')
     with pytest.raises(ValueError, match=r"each entry must be \[op name, \[shape, ...\], seconds >= 0\]"):
