@@ -8,6 +8,7 @@ namespace pymem {
 void PlanChoice::reset() {
   for (int w = 0; w < kWays; ++w) {
     measured_steps_[w] = 0;
+    num_moves_[w] = 0;
     sit_out_[w] = 0;
     next_sit_out_[w] = 1;
   }
@@ -32,11 +33,19 @@ int PlanChoice::cheapest(int except) const {
   return cover >= 0 ? cover : best;
 }
 
-void PlanChoice::measured(Releases ran, double cost) {
+void PlanChoice::measured(Releases ran, double comeback, double moves) {
   const int w = at(ran);
   const bool steady = w == last_ran_;  // the step before ran the same way: no switch in this measure
   last_ran_ = w;
   asked_ = false;
+  double cost = comeback + moves;
+  if (steady) {  // its moves: the mean of its last steady steps'
+    moves_[w][num_moves_[w]++ % kMovesWindow] = moves;
+    const int64_t k = std::min<int64_t>(num_moves_[w], kMovesWindow);
+    double sum = 0;
+    for (int64_t i = 0; i < k; ++i) sum += moves_[w][i];
+    cost = comeback + sum / static_cast<double>(k);
+  }
   if (measured_steps_[w] < kTrialsEach || steady) latest_cost_[w] = cost;
   ++measured_steps_[w];
   if (probing_ != w || --probe_left_ > 0) return;  // a probe's first step: its second measures the way

@@ -138,7 +138,7 @@ struct Candidate {
 // and are counted away still afterwards (the runtime keeps what it rebuilt, until pressure).
 class LineageCover {
  public:
-  LineageCover(const StepArrays& s, const Profile& p, int64_t budget) : s_(s), p_(p), n_(p.n), m_(p.m) {
+  LineageCover(const StepArrays& s, const Profile& p, int64_t budget) : s_(s), p_(p), n_(p.n), m_(p.m), budget_(budget) {
     if (p.excess == 0) return;
     over_.resize(n_);
     next_over_.resize(n_ + 1);
@@ -177,8 +177,11 @@ class LineageCover {
         continue;
       }
       take(cands[i]);
-      due.emplace_back(cands[i].after, cands[i].value);
     }
+    prune();
+    for (size_t v = 0; v < m_; ++v)
+      for (const auto& [a, b] : away_[v]) due.emplace_back(a, static_cast<int32_t>(v));
+    std::sort(due.begin(), due.end());
     return due;
   }
 
@@ -267,9 +270,37 @@ class LineageCover {
     }
   }
 
+  // Greedy keeps every pick, though later picks may have covered an earlier one's overflow: each
+  // pick that brings a value back, dearest first, is dropped where the live bytes stay within the
+  // budget across its gap without it (its value then stays, and picks whose reruns read it there
+  // cost less).
+  void prune() {
+    std::vector<int64_t> held(n_ + 1, 0);  // live bytes at each position, less the picks'
+    for (size_t k = 0; k < n_; ++k) held[k] += p_.live[k];
+    struct Pick { double cost; int32_t value, after, until; };
+    std::vector<Pick> picks;
+    for (size_t v = 0; v < m_; ++v)
+      for (const auto& [a, b] : away_[v]) {
+        for (int32_t k = a + 1; k < std::min<int32_t>(b, static_cast<int32_t>(n_)); ++k) held[static_cast<size_t>(k)] -= p_.size[v];
+        if (b <= p_.last[v]) picks.push_back({lineage(static_cast<int32_t>(v), b), static_cast<int32_t>(v), a, b});
+      }
+    std::stable_sort(picks.begin(), picks.end(), [](const Pick& x, const Pick& y) { return x.cost > y.cost; });
+    for (const Pick& pk : picks) {
+      if (work_ >= kMaxWork) break;
+      const int64_t bytes = p_.size[static_cast<size_t>(pk.value)];
+      bool fits = true;
+      for (int32_t k = pk.after + 1; k < pk.until && fits; ++k, ++work_) fits = held[static_cast<size_t>(k)] + bytes <= budget_;
+      if (!fits) continue;
+      for (int32_t k = pk.after + 1; k < pk.until; ++k) held[static_cast<size_t>(k)] += bytes;
+      auto& away = away_[static_cast<size_t>(pk.value)];
+      away.erase(std::find(away.begin(), away.end(), std::make_pair(pk.after, pk.until)));
+    }
+  }
+
   const StepArrays& s_;
   const Profile& p_;
   const size_t n_, m_;
+  const int64_t budget_;
   Lists readers_;
   std::vector<int64_t> over_;   // bytes over the budget at each position, what the picks leave
   std::vector<int32_t> next_over_;  // next_over()'s links (a root: over, or n)
@@ -324,6 +355,7 @@ class RebuildCover {
       }
       take(cands_[i], sc.whole);
     }
+    prune();
     for (size_t v = 0; v < m_; ++v)
       for (const Away& a : away_[v])
         if (a.until - a.after >= 2) due.emplace_back(a.after, static_cast<int32_t>(v));
@@ -333,6 +365,43 @@ class RebuildCover {
 
  private:
   int64_t over_at(size_t k) const { return std::max<int64_t>(live_[k] - budget_, 0); }
+
+  // As LineageCover::prune: a stretch that brings its value back, dearest rerun first, is dropped
+  // where the live bytes stay within the budget across it without it. What its rerun rebuilt stays
+  // counted (live_ only overstates then: a check that may keep a stretch, never drop a needed one).
+  void prune() {
+    if (excess_ > 0) return;  // not a cover: nothing to spare
+    struct Pick { double cost; int32_t value; size_t index; };
+    std::vector<Pick> picks;
+    for (size_t v = 0; v < m_; ++v)
+      for (size_t i = 0; i < away_[v].size(); ++i) {
+        const Away& a = away_[v][i];
+        if (a.tail || a.until - a.after < 2 || a.until >= static_cast<int32_t>(n_)) continue;
+        const double cost = s_.op_cost[static_cast<size_t>(s_.value_producer[v])] + rerun_inputs(static_cast<int32_t>(v), a.until, false, nullptr);
+        picks.push_back({cost, static_cast<int32_t>(v), i});
+      }
+    std::stable_sort(picks.begin(), picks.end(), [](const Pick& x, const Pick& y) { return x.cost > y.cost; });
+    std::vector<std::vector<uint8_t>> dropped(m_);
+    for (const Pick& pk : picks) {
+      if (work_ >= kMaxWork) break;
+      const auto v = static_cast<size_t>(pk.value);
+      const Away& a = away_[v][pk.index];
+      const int64_t bytes = p_.size[v];
+      bool fits = true;
+      for (int32_t k = a.after + 1; k < a.until && fits; ++k, ++work_) fits = live_[static_cast<size_t>(k)] + bytes <= budget_;
+      if (!fits) continue;
+      add_live(a.after + 1, a.until, bytes);
+      if (dropped[v].empty()) dropped[v].assign(away_[v].size(), 0);
+      dropped[v][pk.index] = 1;
+    }
+    for (size_t v = 0; v < m_; ++v) {
+      if (dropped[v].empty()) continue;
+      std::vector<Away> kept;
+      for (size_t i = 0; i < away_[v].size(); ++i)
+        if (!dropped[v][i]) kept.push_back(away_[v][i]);
+      away_[v] = std::move(kept);
+    }
+  }
 
   // Adds `bytes` (negative: removes) to the live bytes at positions [from, to).
   void add_live(int32_t from, int32_t to, int64_t bytes) {

@@ -344,7 +344,7 @@ void StepTrace::plan_next(double moved_seconds) {
   const bool followed = planned_step_ && following_ && last_.op.size() == plan_.size();  // the whole step ran the plan
   const R ran = plan_.releases();
   if (followed) {
-    choice_.measured(ran, comeback_cost(last_) + moved_seconds);
+    choice_.measured(ran, comeback_cost(last_), moved_seconds);
     if (StepPlan::covers(ran)) ++num_cover_steps_;
   } else {  // a new program (or the first step): nothing measured holds
     choice_.reset();
@@ -553,9 +553,10 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       .def("reset", &PlanChoice::reset, "Forget what was measured (a new program, or another budget).")
       .def(
           "measured",
-          [](PlanChoice& c, const std::string& ran, double cost) { c.measured(releases_arg(ran), cost); },
-          py::arg("ran"), py::arg("cost"),
-          "A step that followed a `ran` plan whole cost `cost` seconds of memory work (comebacks and moves).")
+          [](PlanChoice& c, const std::string& ran, double cost, double moves) { c.measured(releases_arg(ran), cost, moves); },
+          py::arg("ran"), py::arg("cost"), py::arg("moves") = 0.0,
+          "A step that followed a `ran` plan whole cost `cost` seconds of memory work bringing values back and "
+          "`moves` seconds moving blocks.")
       .def(
           "next",
           [](PlanChoice& c, bool cover_allowed) { return releases_name(c.next(cover_allowed)); },

@@ -49,6 +49,25 @@ def test_only_a_step_after_one_run_the_same_way_updates_its_measure():
     assert c.next(True) == "learned"
 
 
+def test_a_ways_moves_count_by_their_mean_over_its_last_three_steady_steps():
+    """Which blocks compaction moves turns on where pressure found them: one step's moves do not
+    make a way dearer than another at once; three such steps in a row do."""
+    c = pymem._C.PlanChoice()
+    comeback = {"learned": 1.2, "cover": 2.0, "rebuild": 1.0, "belady": 2.0, "greedy": 2.0}
+    for _ in range(len(TRIALS)):
+        how = c.next(True)
+        c.measured(how, comeback[how], 0.1)
+    ran = []
+    for moves in (0.1, 0.4, 0.4, 0.4):  # the first, after greedy's trial, measures nothing
+        how = c.next(True)
+        ran.append(how)
+        c.measured(how, comeback[how], moves)
+    # rebuild's measure after each: 1.1 (its trial's), 1.25, 1.3 (a cover within 5% of learned's
+    # 1.2 + 0.1), 1.4; by its latest moves alone it read 1.4 after the second step.
+    assert ran == ["rebuild"] * 4
+    assert c.next(True) == "learned"
+
+
 def test_a_way_far_behind_sits_out_probe_turns_twice_as_many_each_time():
     """A probe measuring over 1.5x the cheapest: its way sits out its next turn, then two, four,
     up to eight; one measuring near brings it back to every turn."""

@@ -115,5 +115,5 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
             releases = _C.learned_releases(step, learned_from)
             out, learned_from, summary = run(Simulator(trace, budget, plan="auto", releases=releases, **kw), how)
         steps.append(dict(summary))
-        choice.measured(how, summary["comeback_seconds"] + summary["compaction_seconds"])
+        choice.measured(how, summary["comeback_seconds"], summary["compaction_seconds"])
     return dict(out, plan_releases=steps[-1]["plan"], plan_steps=steps)
