@@ -23,8 +23,9 @@
 // A way's measure is its latest comebacks plus the mean of its moves over its last kMovesWindow
 // steady steps: which blocks compaction moves turns on where pressure found them, and one step's
 // moves swing where its comebacks do not (rebuild at the transformer's checkpointed peak, fixed
-// costs: 22, 110, 69 and 22 MiB in four steps of 0.053 s of comebacks each, and by its latest
-// measure the choice left it for learned, 0.064 s, after the 110).
+// costs, its covers pruned with no slack (plan_cover.h): 22, 110, 69 and 22 MiB in four steps of
+// 0.053 s of comebacks each, and by its latest measure the choice left it for learned, 0.064 s,
+// after the 110).
 // Past the trials, only a step that follows one run the same way updates its way's measure: the
 // first after a switch pays for the layout the other way left (the step placement's plan is
 // another way's, step_placement.h), which the way's own steps do not (GPT-2 XL in the simulator

@@ -15,6 +15,10 @@ constexpr double kMinCost = 1e-9;
 constexpr int kMaxLineage = 64;
 // The budgets cover_releases plans for, as shares of the real one (see there).
 constexpr double kCoverBudgets[] = {1.0, 0.98, 0.96};
+// A pick is dropped (prune) only where this share of the budget stays free across its gap without
+// it: the slack placement needs. With none, rebuild at the transformer's checkpointed peak
+// (bench/plan_ways.py, measured costs) moved 22-110 MiB a step in compactions instead of 8.
+constexpr double kPruneSlack = 0.03;
 // The cover stops scoring and picking after this much work (positions summed, records walked:
 // about half a second);
 // the pressure handler releases what it left over. Lazy greedy re-scores a few candidates per
@@ -272,8 +276,8 @@ class LineageCover {
 
   // Greedy keeps every pick, though later picks may have covered an earlier one's overflow: each
   // pick that brings a value back, dearest first, is dropped where the live bytes stay within the
-  // budget across its gap without it (its value then stays, and picks whose reruns read it there
-  // cost less).
+  // budget less kPruneSlack across its gap without it (its value then stays, and picks whose
+  // reruns read it there cost less).
   void prune() {
     std::vector<int64_t> held(n_ + 1, 0);  // live bytes at each position, less the picks'
     for (size_t k = 0; k < n_; ++k) held[k] += p_.live[k];
@@ -285,11 +289,12 @@ class LineageCover {
         if (b <= p_.last[v]) picks.push_back({lineage(static_cast<int32_t>(v), b), static_cast<int32_t>(v), a, b});
       }
     std::stable_sort(picks.begin(), picks.end(), [](const Pick& x, const Pick& y) { return x.cost > y.cost; });
+    const auto room = static_cast<int64_t>(static_cast<double>(budget_) * (1.0 - kPruneSlack));
     for (const Pick& pk : picks) {
       if (work_ >= kMaxWork) break;
       const int64_t bytes = p_.size[static_cast<size_t>(pk.value)];
       bool fits = true;
-      for (int32_t k = pk.after + 1; k < pk.until && fits; ++k, ++work_) fits = held[static_cast<size_t>(k)] + bytes <= budget_;
+      for (int32_t k = pk.after + 1; k < pk.until && fits; ++k, ++work_) fits = held[static_cast<size_t>(k)] + bytes <= room;
       if (!fits) continue;
       for (int32_t k = pk.after + 1; k < pk.until; ++k) held[static_cast<size_t>(k)] += bytes;
       auto& away = away_[static_cast<size_t>(pk.value)];
@@ -367,7 +372,7 @@ class RebuildCover {
   int64_t over_at(size_t k) const { return std::max<int64_t>(live_[k] - budget_, 0); }
 
   // As LineageCover::prune: a stretch that brings its value back, dearest rerun first, is dropped
-  // where the live bytes stay within the budget across it without it. What its rerun rebuilt stays
+  // where the live bytes stay within the budget less kPruneSlack across it without it. What its rerun rebuilt stays
   // counted (live_ only overstates then: a check that may keep a stretch, never drop a needed one).
   void prune() {
     if (excess_ > 0) return;  // not a cover: nothing to spare
@@ -381,6 +386,7 @@ class RebuildCover {
         picks.push_back({cost, static_cast<int32_t>(v), i});
       }
     std::stable_sort(picks.begin(), picks.end(), [](const Pick& x, const Pick& y) { return x.cost > y.cost; });
+    const auto room = static_cast<int64_t>(static_cast<double>(budget_) * (1.0 - kPruneSlack));
     std::vector<std::vector<uint8_t>> dropped(m_);
     for (const Pick& pk : picks) {
       if (work_ >= kMaxWork) break;
@@ -388,7 +394,7 @@ class RebuildCover {
       const Away& a = away_[v][pk.index];
       const int64_t bytes = p_.size[v];
       bool fits = true;
-      for (int32_t k = a.after + 1; k < a.until && fits; ++k, ++work_) fits = live_[static_cast<size_t>(k)] + bytes <= budget_;
+      for (int32_t k = a.after + 1; k < a.until && fits; ++k, ++work_) fits = live_[static_cast<size_t>(k)] + bytes <= room;
       if (!fits) continue;
       add_live(a.after + 1, a.until, bytes);
       if (dropped[v].empty()) dropped[v].assign(away_[v].size(), 0);

@@ -36,9 +36,12 @@
 // Greedy keeps what it took, though later picks may cover an earlier one's overflow on their own
 // (a small value taken first for its ratio, a larger one later for what was left). So each cover
 // ends with a pass that drops picks, dearest comeback first, where the live bytes stay within the
-// budget across the gap without them: on bench/plan_ways.py's measured op costs, rebuild at the
-// transformer's checkpointed peak 0.0545 -> 0.0530 s of recompute a step, at 0.5 of its peak
-// 0.0307 -> 0.0256; the lineage cover on deep at 0.3 0.0949 -> 0.0868.
+// budget less 3% across the gap without them (bench/plan_ways.py, measured op costs: rebuild at
+// the transformer's checkpointed peak 0.0545 -> 0.0530 s of recompute a step, at 0.5 of its peak
+// 0.0307 -> 0.0260). With no slack left, a pruned plan fills the budget to its last bytes and
+// placement pays: the transformer's rebuild at its checkpointed peak moved 22-110 MiB a step in
+// compactions instead of 0-8 (the lineage cover on deep at 0.3 gained, 0.0949 -> 0.0868 s, moves
+// 12 -> 2 MiB, but only there).
 //
 // Greedy is lazy: a candidate's ratio computed earlier is taken as an upper bound; the best is
 // re-scored and taken when it still beats the next bound (a priority queue instead of a full rescan
