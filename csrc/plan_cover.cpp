@@ -372,10 +372,11 @@ class RebuildCover {
   int64_t over_at(size_t k) const { return std::max<int64_t>(live_[k] - budget_, 0); }
 
   // As LineageCover::prune: a stretch that brings its value back, dearest rerun first, is dropped
-  // where the live bytes stay within the budget less kPruneSlack across it without it. What its rerun rebuilt stays
-  // counted (live_ only overstates then: a check that may keep a stretch, never drop a needed one).
+  // where the live bytes stay within the budget less kPruneSlack across it without it. What its
+  // rerun rebuilt stays counted (live_ only overstates then: a check that may keep a stretch, never
+  // drop a needed one).
   void prune() {
-    if (excess_ > 0) return;  // not a cover: nothing to spare
+    if (excess_ > 0) return;  // a cover cut short (work limit, overflow nothing covers): as greedy left it
     struct Pick { double cost; int32_t value; size_t index; };
     std::vector<Pick> picks;
     for (size_t v = 0; v < m_; ++v)

@@ -40,8 +40,8 @@
 // the transformer's checkpointed peak 0.0545 -> 0.0530 s of recompute a step, at 0.5 of its peak
 // 0.0307 -> 0.0260). With no slack left, a pruned plan fills the budget to its last bytes and
 // placement pays: the transformer's rebuild at its checkpointed peak moved 22-110 MiB a step in
-// compactions instead of 0-8 (the lineage cover on deep at 0.3 gained, 0.0949 -> 0.0868 s, moves
-// 12 -> 2 MiB, but only there).
+// compactions instead of 0-8. (With no slack the lineage cover on deep at 0.3 did gain, 0.0949 ->
+// 0.0868 s and 12 -> 2 MiB moved; with 3% it plans as before there.)
 //
 // Greedy is lazy: a candidate's ratio computed earlier is taken as an upper bound; the best is
 // re-scored and taken when it still beats the next bound (a priority queue instead of a full rescan
