@@ -3,6 +3,9 @@
 # demo, then the GPU benchmarks, each stage capped so that the whole ends by DEADLINE seconds.
 # Logs and JSON go to OUT (default ./gpu_out). Run from the repository root:
 #     OUT=/tmp/gpu DEADLINE=480 bash bench/gpu_check.sh
+# STAGES picks stages (default: env build tests demo hf overhead offload; "profile" reruns the
+# 0.5 delta run of gpu_overhead.py under cProfile); TESTS, HF_ARGS and HF_ONLY change what the
+# tests and hf stages run.
 # Stages run in priority order; one that fails is reported and the next one runs.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
@@ -26,17 +29,23 @@ stage() {  # stage NAME CAP_SECONDS COMMAND...: runs COMMAND under min(CAP, what
     return $rc
 }
 
-stage env 20 bash -c "nvidia-smi -L; $PY -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'"
-if ! stage build 240 $PY setup.py build_ext --inplace; then
-    tail -40 "$LOG"; exit 1
+STAGES=${STAGES:-"env build tests demo hf overhead offload"}
+HF_ARGS=${HF_ARGS:-"--steps 6 --warmup 3 --limit 50"}
+HF_ONLY=${HF_ONLY:-"checkpointed peak,of plain"}
+want() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
+
+want env && stage env 20 bash -c "nvidia-smi -L; $PY -c 'import torch, sys; print(sys.version.split()[0], torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))'"
+if want build; then
+    if ! stage build 240 $PY setup.py build_ext --inplace; then tail -40 "$LOG"; exit 1; fi
+    ls -la pymem/*.so | tee -a "$LOG"
 fi
-ls -la pymem/*.so | tee -a "$LOG"
-stage tests 200 $PY -m pytest -q -p no:cacheprovider --timeout 150 \
-    tests/test_runtime_cuda.py tests/test_cuda_lib.py tests/test_cupy.py
-stage demo 90 $PY -m pymem demo --device cuda
-stage hf_checkpointing 170 $PY bench/hf_checkpointing_bench.py --device cuda --model gpt2-small \
-    --steps 6 --warmup 3 --limit 50 --only "checkpointed peak,of plain" --json "$OUT/hf_gpt2_small.json"
-stage overhead 120 $PY bench/gpu_figures/h100-2026-11-25/demo_prof.py
-stage offload 90 $PY bench/offload_gpu_bench.py --models transformer --ratios 0.5 \
+want tests && stage tests 200 $PY -m pytest -q -p no:cacheprovider --timeout 150 ${TESTS:-tests/test_runtime_cuda.py tests/test_cuda_lib.py tests/test_cupy.py}
+want demo && stage demo 90 $PY -m pymem demo --device cuda
+# shellcheck disable=SC2086
+want hf && stage hf_checkpointing 170 $PY bench/hf_checkpointing_bench.py --device cuda --model gpt2-small \
+    $HF_ARGS --only "$HF_ONLY" --json "$OUT/hf_gpt2_small.json"
+want overhead && stage overhead 120 $PY bench/gpu_overhead.py --json "$OUT/gpu_overhead.json"
+want offload && stage offload 90 $PY bench/offload_gpu_bench.py --models transformer --ratios 0.5 \
     --json "$OUT/offload_gpu.json"
-grep -E '^=== |passed|failed|slowdown|RESULT|ratio |unmanaged|pymem at|plain|hf-checkpointing' "$LOG" | tail -60
+want profile && stage profile 60 $PY bench/gpu_overhead.py --configs 0.5:delta --profile 0.5:delta
+grep -E '^=== |passed|failed|slowdown|x \(last|ratio |unmanaged|pymem at|plain|hf-checkpointing|bitwise' "$LOG" | tail -60

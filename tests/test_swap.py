@@ -441,9 +441,10 @@ class _StandInCuda:
 
 def test_cuda_copier_puts_timing_events_around_each_copy(monkeypatch):
     """_CudaCopier on a stand-in torch.cuda (events, streams; the copies themselves run on CPU
-    tensors): each copy between a start and an end event on its stream; the out copy waits at its
-    end event (the wait it always made) and is booked then; copies back and a late use's wait are
-    booked once their end event completes, asked with a query only."""
+    tensors): each copy between a start and an end event on its stream; nothing is waited for by
+    the host, the out copy included (the compute stream orders every later use of its device
+    block, and the host pool is told of its host block); copies out and back and a late use's wait
+    are booked once their end event completes, asked with a query only."""
     from pymem.runtime.swap import _CudaCopier
 
     cuda = _StandInCuda(monkeypatch)
@@ -453,7 +454,9 @@ def test_cuda_copier_puts_timing_events_around_each_copy(monkeypatch):
     host = torch.empty(64, dtype=torch.uint8)
     c.copy(host, src, out=True)
     assert torch.equal(host, src)
-    assert log == [("record", "e1", 1), ("record", "e2", 1), ("event sync", "e2")]
+    assert log == [("record", "e1", 1), ("record", "e2", 1), ("used_by_copy", 1), ("query", "e2")]
+    assert c.time_stats()["offload_copy_timed_bytes"] == 0  # still running: not booked, not waited for
+    c.pending[1][0][0][1].complete = True
     assert c.time_stats()["offload_copy_timed_bytes"] == 64 and c.time_stats()["offload_copy_seconds"] > 0
     del log[:]
     back = torch.empty(64, dtype=torch.uint8)

@@ -302,9 +302,14 @@ class _CpuCopier(_CopyTimes):
 
 
 class _CudaCopier(_CopyTimes):
-    """Copies on CUDA. Out: synchronous (the device buffer is freed right after, and the arena's
-    library cannot see a side stream's use of it): enqueued on the compute stream, then waited for
-    at its end event. Out ahead: on a second side stream after the compute stream's work so far;
+    """Copies on CUDA. Out, and in on demand: on the compute stream, never waited for by the host.
+    The device buffer an out copy reads is freed right after it is enqueued, and that is safe
+    without a wait: every later use of the block is ordered after the copy (later work on the
+    compute stream runs after it, and the arena's library makes another stream's allocation wait
+    for the compute stream's work so far; the caching allocator of allocator="native" orders its
+    blocks by stream too), and the host block it writes is handed out again only after the copy's
+    event (HostMemory.used_by_copy). Waiting here instead held the host back until the GPU had
+    caught up, at each offload: under a budget the host could never run ahead. Out ahead: on a second side stream after the compute stream's work so far;
     the swapper holds the source storage until it is done, and the compute stream waits for it
     before anything frees or writes that block. In, on demand: on the compute stream (ordered
     before every reader). Prefetch: on a side stream after the compute stream's work so far; the
@@ -332,12 +337,8 @@ class _CudaCopier(_CopyTimes):
         start.record(stream)
         dst.copy_(src, non_blocking=True)
         done.record(stream)
-        if out:  # the wait a blocking copy makes, at the copy's own end: the host copy is complete
-            done.synchronize()
-            self._book(_OUT, dst.nbytes, start.elapsed_time(done) / 1e3)
-        else:  # in: the host block is read after we move on
-            self.host.used_by_copy(src, stream)
-            self._track(stream.cuda_stream, (start, done), dst.nbytes, _IN)
+        self.host.used_by_copy(dst if out else src, stream)  # the host block is in use until done
+        self._track(stream.cuda_stream, (start, done), dst.nbytes, _OUT if out else _IN)
 
     def start(self, dst: torch.Tensor, src: torch.Tensor, out: bool = False):
         side = self.sides.get(out)
