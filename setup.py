@@ -22,8 +22,8 @@ except ImportError:
     )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-CORE = ["arena.cpp", "compact.cpp", "history.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "step_placement.cpp", "window.cpp", "backing.cpp"]
-EXT_SOURCES = CORE + ["bench.cpp", "bindings_arena.cpp", "allocator_install.cpp", "hook_cpu.cpp", "hook_budget.cpp", "hook_pluggable.cpp", "storage.cpp", "intercept.cpp", "record.cpp", "recipe.cpp", "runtime_state.cpp", "runtime_lock.cpp", "step_trace.cpp", "step_plan.cpp", "plan_choice.cpp", "plan_cover.cpp", "host_pool.cpp", "host_pool_py.cpp", "sweep.cpp", "neighbourhood.cpp", "release_scan.cpp", "fast_op.cpp", "bindings.cpp"]
+CORE = ["arena.cpp", "compact.cpp", "history.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "step_placement.cpp", "window.cpp", "backing.cpp", "move_plan.cpp"]
+EXT_SOURCES = CORE + ["bench.cpp", "bindings_arena.cpp", "allocator_install.cpp", "hook_cpu.cpp", "hook_budget.cpp", "hook_pluggable.cpp", "storage.cpp", "intercept.cpp", "record.cpp", "recipe.cpp", "runtime_state.cpp", "runtime_lock.cpp", "step_trace.cpp", "step_plan.cpp", "plan_choice.cpp", "plan_cover.cpp", "host_pool.cpp", "host_pool_py.cpp", "sweep.cpp", "movable.cpp", "neighbourhood.cpp", "release_scan.cpp", "fast_op.cpp", "bindings.cpp"]
 CUDA_LIB_SOURCES = CORE + ["cuda_table.cpp", "cuda_lib.cpp"]
 CXXFLAGS = ["-O3", "-std=c++17", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
 

@@ -1,6 +1,7 @@
 // bindings.cpp — the pymem._C module. Built twice: the real one (with the torch CPU hook) and a
 // torch-free one under ASan/UBSan for the property tests (PYMEM_NO_TORCH).
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #ifndef PYMEM_NO_TORCH
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor
@@ -10,6 +11,7 @@
 #include "hook_pluggable.h"
 #include "fast_op.h"
 #include "intercept.h"
+#include "movable.h"
 #include "storage.h"
 #include "sweep.h"
 #endif
@@ -128,6 +130,9 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
     d["slow"] = s.slow;
     return d;
   });
+  m.def("movable_blocks", &pymem::movable_blocks, py::arg("table"), py::arg("cache"), py::arg("lo"), py::arg("hi"),
+        py::arg("busy"), py::arg("leaf_ok"),
+        "{addr: (record, StorageRef, releasable)} for every block of [lo, hi) that may move now (movable.h).");
   m.def("sweep_records", &pymem::sweep_records, py::arg("table"), py::arg("mark_gone"), py::arg("cache"),
         "Runtime.sweep's scan (csrc/sweep.h): drop the records whose storage died; the records left that may be orphaned leaves.");
   m.def("interception_included", &pymem::included_on_this_thread);

@@ -10,6 +10,7 @@
 #include "backing.h"
 #include "cuda_table.h"
 #include "bench.h"
+#include "move_plan.h"
 #include "py_errors.h"
 
 namespace py = pybind11;
@@ -251,6 +252,19 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
       .def("compact", &Arena::compact, py::arg("addrs"),
            "Slide the listed blocks up past free space (not past unlisted blocks), moving their bytes;\n"
            "returns [(old_addr, new_addr)] for those that moved. Callers repoint their owners.")
+      .def("plan_moves",
+           [](const Arena& a, long long request, const std::vector<uintptr_t>& movable,
+              const std::vector<uintptr_t>& freed) -> py::object {
+             const std::unordered_set<uintptr_t> m(movable.begin(), movable.end()), f(freed.begin(), freed.end());
+             std::optional<MovePlan> p = plan_moves(a.blocks(), m, f, check_size(request, "request"));
+             if (!p) return py::none();
+             return py::make_tuple(p->segment_movable, p->moves, p->window, p->bytes_to_move);
+           },
+           py::arg("request"), py::arg("movable"), py::arg("freed") = std::vector<uintptr_t>{},
+           "The compaction by moves alone that makes `request` fit (move_plan.h): (the chosen segment's\n"
+           "movable addresses, [(from, to)] moves, the addresses to slide after them, bytes moved in\n"
+           "all), or None. `movable`: addresses of blocks that may move; `freed`: allocated blocks to\n"
+           "count as free.")
       .def("move_block", &Arena::move_block, py::arg("from_addr"), py::arg("to_addr"),
            "Move one allocated block's bytes to to_addr, inside one free block; frees the old range.")
       .def("set_move_stream", &Arena::set_move_stream, py::arg("stream"),

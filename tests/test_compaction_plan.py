@@ -58,3 +58,62 @@ def test_releases_that_add_up_to_the_request_are_priced_with_the_compaction_afte
     assert compaction_plan.release_path_seconds(blocks, 4, order, lambda v: 1.0, then) == 12.0
     # Releases that never reach the request: compaction is the only way (None).
     assert compaction_plan.release_path_seconds(blocks, 6, order, lambda v: 1.0, then) is None
+
+
+# ---- Arena.plan_moves (csrc/move_plan.h): the moves-only plan in C++, held to the Python one ------
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pymem import _C  # noqa: E402
+
+
+def _reference_moves_plan(arena, request, movable, freed):
+    """compaction_plan.plan with nothing releasable on the arena's picture after `freed`, and what
+    carrying it out moves: the plan Arena.plan_moves must give."""
+    blocks = arena.blocks()
+    picture = [compaction_plan._PictureBlock(b.addr, b.size, b.allocated and b.addr not in freed, b.region)
+               for b in blocks]
+    kept = {a: (a, None, False) for a in movable if a not in freed}
+    chosen = compaction_plan.plan(picture, request, kept, lambda v: 0, lambda v: 0.0)
+    if chosen is None:
+        return None
+    seg, moves, victims = chosen
+    assert not victims
+    window = compaction_plan.cheapest_window(seg, {a for a, _ in moves}, request)
+    return ([a for a, _ in seg.movable], [tuple(m) for m in moves], window,
+            compaction_plan.bytes_to_move(seg, moves, request))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 9)), min_size=1, max_size=40),
+       st.integers(1, 30), st.integers(0, 2**32 - 1))
+def test_the_moves_only_plan_in_cpp_is_the_python_plan(ops, request_units, seed):
+    """Arena.plan_moves picks the segment, moves, window and byte count compaction_plan's plan,
+    cheapest_window and bytes_to_move give with nothing releasable, on random arenas: random
+    allocations and frees, a random part of the blocks fixed, another counted as freed."""
+    import random
+
+    rng = random.Random(seed)
+    unit = 512
+    arena = _C.Arena(64 * unit, "virtual", small_threshold=0)
+    live = []
+    for size, action in ops:
+        if action < 3 and live:
+            arena.free(live.pop(rng.randrange(len(live))))
+            continue
+        try:
+            live.append(arena.allocate(size * unit))
+        except Exception:  # full: the picture stays as it is
+            pass
+    allocated = [b.addr for b in arena.blocks() if b.allocated]
+    movable = [a for a in allocated if rng.random() < 0.7]
+    freed = {a for a in allocated if rng.random() < 0.15}
+    request = request_units * unit
+    got = arena.plan_moves(request, movable, sorted(freed))
+    want = _reference_moves_plan(arena, request, movable, freed)
+    if want is None:
+        assert got is None
+    else:
+        assert got is not None
+        assert (list(got[0]), [tuple(m) for m in got[1]], list(got[2]), got[3]) == want

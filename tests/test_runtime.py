@@ -528,3 +528,37 @@ def test_a_model_of_small_tensors_trains_bitwise_below_its_peak():
         pymem.disable()
     assert st["num_evictions"] > 0 and st["allocated_bytes.peak"] <= st["budget_bytes"]
     assert bitwise_equal(got, want)
+
+
+def test_the_blocks_that_may_move_are_the_values_in_memory_nothing_holds_in_place(managed):
+    """compaction.movable_blocks (csrc/movable.h): a value in memory may move, and be released when
+    it has a recipe and no op holds it; a leaf may move but not be released (offloading off); a
+    value pinned outside torch, an evicted one and a running kernel's input do not move."""
+    from pymem.runtime.compaction import movable_blocks
+
+    rt = pymem.enable(64 * MiB, device="cpu", offload="never")
+    with pymem.no_recompute():
+        x = torch.ones(MiB // 4).requires_grad_()  # a leaf: no recipe
+    y, pinned, locked, evicted, running = (x * k for k in (2, 3, 4, 5, 6))
+
+    def record(t):
+        return rt.table[pymem._C.storage_key(t)]
+
+    addr = {name: t.untyped_storage().data_ptr() for name, t in
+            [("x", x), ("y", y), ("pinned", pinned), ("locked", locked), ("running", running)]}
+    gone = record(evicted)
+    record(pinned).pins += 1
+    record(locked).locks += 1
+    rt.running.append((record(running),))
+    rt.residency.release(gone)
+    try:
+        m = movable_blocks(rt)
+        assert m[addr["y"]][0] is record(y) and m[addr["y"]][1] is record(y).sref and m[addr["y"]][2] is True
+        assert m[addr["x"]][0] is record(x) and m[addr["x"]][2] is False  # a leaf, and leaves stay
+        assert m[addr["locked"]][2] is False  # moves, is not released
+        assert addr["pinned"] not in m and addr["running"] not in m
+        assert all(entry[0] is not gone for entry in m.values())
+    finally:
+        rt.running.pop()
+        record(pinned).pins -= 1
+        record(locked).locks -= 1

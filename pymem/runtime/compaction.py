@@ -52,25 +52,12 @@ def _busy_addresses(rt) -> set:
 
 
 def movable_blocks(rt) -> Dict[int, tuple]:
-    """addr -> (record, StorageRef, releasable) for every block of the main region that may move now."""
-    lo, hi = rt.lo, rt.main_hi
+    """addr -> (record, StorageRef, releasable) for every block of the main region that may move now
+    (csrc/movable.h: the table's values in memory and not pinned, then the recompute cache's)."""
     busy = _busy_addresses(rt)
     if rt.swap is not None:  # a copy out ahead reads these
         busy.update(src.untyped_storage().data_ptr() for _, src, _ in rt.swap.out_flight.values())
-    leaf_ok = rt.residency.leaf_releasable
-    out = {}
-    for r in rt.table.values():
-        s = r.sref
-        if s is None or r.evicted or r.pins:  # pinned: someone outside torch holds its address
-            continue
-        addr = s.data_ptr
-        if lo <= addr < hi and addr not in busy:
-            out[addr] = (r, s, r.in_arena and not r.locks and (r.recipe is not None or leaf_ok(r)))
-    for r, (s, _) in rt.cache.items():
-        addr = s.data_ptr
-        if lo <= addr < hi and addr not in busy:
-            out[addr] = (r, s, r.recipe is not None and not r.locks)
-    return out
+    return _C.movable_blocks(rt.table, rt.cache, rt.lo, rt.main_hi, list(busy), rt.residency.leaf_releasable)
 
 
 def plan(rt, request: int, movable: Dict[int, tuple]):
@@ -101,21 +88,28 @@ def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
     return bool(slid)
 
 
-def compact_for(rt, request: int, worth: Optional[Callable[[int], bool]] = None) -> bool:
+def compact_for(rt, request: int, worth: Optional[Callable[[int, Dict[int, tuple]], bool]] = None) -> bool:
     """Release and move so that ``request`` fits in one block; False when no segment can hold it.
-    ``worth``: only by moves, and only if ``worth(bytes to move)`` says so (else nothing is done)."""
+    ``worth``: only by moves (the arena's plan_moves, csrc/move_plan.h), and only if
+    ``worth(bytes to move, movable_blocks)`` says so (else nothing is done)."""
     if not rt.can_compact:
         return False
     movable = movable_blocks(rt)
-    chosen = plan(rt, request, movable)
-    if chosen is None:
-        return False
-    seg, moves, victims = chosen
-    if worth is not None and (victims or not worth(_plan.bytes_to_move(seg, moves, request))):
-        return False
+    if worth is not None:
+        chosen = rt.arena.plan_moves(request, list(movable))
+        if chosen is None or not worth(chosen[3], movable):
+            return False
+        seg_movable, moves, window, _ = chosen
+        seg, victims = None, []
+    else:
+        chosen = plan(rt, request, movable)
+        if chosen is None:
+            return False
+        seg, moves, victims = chosen
+        seg_movable, window = [a for a, _ in seg.movable], None
     rt.backend.before_moves()
     keep = []  # nothing moved may die mid-move
-    for a, _ in seg.movable:
+    for a in seg_movable:
         sref = movable[a][1]
         if not sref.alive:  # died since the picture (a collection freed it): its block is free, plan again
             return True
@@ -132,10 +126,12 @@ def compact_for(rt, request: int, worth: Optional[Callable[[int], bool]] = None)
         _relocate(rt, movable, old, new)
     for r in victims:
         rt.residency.release(r)
-    released = {id(r) for r in victims}
-    gone = {a for a, _ in moves} | {a for _, r, a, _ in seg.releasable if id(r) in released}
+    if window is None:
+        released = {id(r) for r in victims}
+        gone = {a for a, _ in moves} | {a for _, r, a, _ in seg.releasable if id(r) in released}
+        window = _plan.cheapest_window(seg, gone, request)
     try:
-        slid = _slide(rt, movable, _plan.cheapest_window(seg, gone, request))
+        slid = _slide(rt, movable, window)
     except ValueError:  # stale in the same way
         slid = False
     del keep

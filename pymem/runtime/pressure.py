@@ -28,8 +28,8 @@ import time
 
 from .. import _C
 from ..policies import Planned, Policy, sample_candidates
-from ..compaction_plan import bytes_to_move_after, comeback_seconds, release_path_seconds
-from .compaction import compact_for, movable_blocks
+from ..compaction_plan import comeback_seconds, release_path_seconds
+from .compaction import compact_for
 
 _perf = time.perf_counter
 
@@ -122,7 +122,7 @@ class PressureHandler:
             # The free bytes cover it, only not in one block: slide them together first where the
             # moves cost less than the comeback of what a release would take.
             if not self.uses_window and rt.arena.main_free_bytes >= request and \
-                    compact_for(rt, request, lambda moved: self._moves_cheaper(request, moved)):
+                    compact_for(rt, request, lambda moved, movable: self._moves_cheaper(request, moved, movable)):
                 return
         if self.uses_window:
             if not self._release_window(request) and not compact_for(rt, request):
@@ -135,7 +135,7 @@ class PressureHandler:
         elif not compact_for(rt, request):
             self._release_window(request)
 
-    def _moves_cheaper(self, request: int, moved: int) -> bool:
+    def _moves_cheaper(self, request: int, moved: int, movable: dict) -> bool:
         """Whether moving ``moved`` bytes costs less than what releasing would: the comebacks of the
         values released, lowest score first, until ``request`` fits, or where their bytes reach it
         first, those and the moves of the compaction that follows (one that gathers nearly all the
@@ -150,9 +150,9 @@ class PressureHandler:
         order = [(cands[i][1].data_ptr, records[i]) for i in ranked]
         blocks = rt.arena.blocks()
 
-        def then(freed: set) -> float:
-            after = bytes_to_move_after(blocks, freed, request, movable_blocks(rt))
-            return math.inf if after is None else rt.move_seconds(after)
+        def then(freed: set) -> float:  # the arena is as compact_for's picture (movable) found it
+            after = rt.arena.plan_moves(request, list(movable), list(freed))
+            return math.inf if after is None else rt.move_seconds(after[3])
         path = release_path_seconds(blocks, request, order, comeback_seconds, then)
         return path is None or rt.move_seconds(moved) < path
 

@@ -485,7 +485,7 @@ class Simulator:
         if allocs != self._allocs:
             self._allocs, self._freed = allocs, 0
             if not self.uses_window and self.arena.main_free_bytes >= request and \
-                    self._compact(request, lambda moved: self._moves_cheaper(request, moved)):
+                    self._compact(request, lambda moved, movable: self._moves_cheaper(request, moved, movable)):
                 return
         if self.uses_window:
             if not self._release_window(request) and not self._compact(request):
@@ -506,7 +506,7 @@ class Simulator:
     def _lowest(self) -> Optional[_Value]:
         return min((v for v in self.by_addr.values() if self._releasable(v)), key=self._release_key, default=None)
 
-    def _moves_cheaper(self, request: int, moved: int) -> bool:
+    def _moves_cheaper(self, request: int, moved: int, movable: Dict[int, tuple]) -> bool:
         """pressure._moves_cheaper: moving ``moved`` bytes costs less than the comebacks of the
         values released, lowest score first, until ``request`` fits (or until their bytes reach
         it, and the moves of the compaction after them)."""
@@ -515,8 +515,8 @@ class Simulator:
         blocks = self.arena.blocks()
 
         def then(freed: set) -> float:
-            after = compaction_plan.bytes_to_move_after(blocks, freed, request, self._movable())
-            return math.inf if after is None else self._move_seconds(after)
+            after = self.arena.plan_moves(request, list(movable), list(freed))
+            return math.inf if after is None else self._move_seconds(after[3])
         path = compaction_plan.release_path_seconds(blocks, request, order, compaction_plan.comeback_seconds, then)
         return path is None or self._move_seconds(moved) < path
 
@@ -571,8 +571,20 @@ class Simulator:
                 self._release(v)
         return True
 
-    def _compact(self, request: int, worth: Optional[Callable[[int], bool]] = None) -> bool:
+    def _compact(self, request: int, worth: Optional[Callable[[int, Dict[int, tuple]], bool]] = None) -> bool:
+        """compaction.compact_for: with ``worth``, by moves alone (the arena's plan_moves)."""
         movable = self._movable()
+        if worth is not None:
+            chosen = self.arena.plan_moves(request, list(movable))
+            if chosen is None or not worth(chosen[3], movable):
+                return False
+            _, moves, window, _ = chosen
+            for old, new in moves:
+                self.arena.move_block(old, new)
+                self._moved(old, new)
+            for old, new in self.arena.compact(window):
+                self._moved(old, new)
+            return True
         evaluate, cost, now = self.policy.evaluate, self.policy.block_cost, self.clock
         chosen = compaction_plan.plan(self.arena.blocks(), request, movable,
                                       lambda v: (v.waits > 0, v.need_rank, evaluate(v, now)),
@@ -580,8 +592,6 @@ class Simulator:
         if chosen is None:
             return False
         seg, moves, victims = chosen
-        if worth is not None and (victims or not worth(compaction_plan.bytes_to_move(seg, moves, request))):
-            return False
         for old, new in moves:
             self.arena.move_block(old, new)
             self._moved(old, new)

@@ -1,0 +1,160 @@
+// move_plan.cpp — see move_plan.h. Each step mirrors compaction_plan.py's function of the same
+// name, so that both pick the same segment, moves and window.
+#include "move_plan.h"
+
+#include <algorithm>
+#include <limits>
+
+namespace pymem {
+namespace {
+
+struct Piece {  // one block of a segment
+  uintptr_t addr;
+  uint64_t size;
+  bool allocated;
+};
+
+struct Segment {
+  std::vector<Piece> pieces;  // free and movable blocks, address order
+  uint64_t free = 0;
+  uint64_t movable_bytes = 0;
+};
+
+struct Hole {
+  uintptr_t addr;
+  uint64_t size;
+};
+
+std::vector<Segment> segments_of(const std::vector<Block>& blocks, const std::unordered_set<uintptr_t>& movable,
+                                 const std::unordered_set<uintptr_t>& freed) {
+  std::vector<Segment> segments(1);
+  for (const Block& b : blocks) {
+    if (b.region != RegionKind::Main) break;
+    const bool allocated = b.allocated && freed.count(b.addr) == 0;
+    if (!allocated) {
+      segments.back().pieces.push_back({b.addr, b.size, false});
+      segments.back().free += b.size;
+      continue;
+    }
+    if (movable.count(b.addr) == 0) {  // cannot move: ends the segment
+      segments.emplace_back();
+      continue;
+    }
+    segments.back().pieces.push_back({b.addr, b.size, true});
+    segments.back().movable_bytes += b.size;
+  }
+  return segments;
+}
+
+// _evacuate: the target's blocks into other segments' free blocks, largest first, best fit.
+// Returns the deficit left (<= 0: covered).
+int64_t evacuate(const Segment& target, const std::vector<Segment>& segments, int64_t deficit,
+                 std::vector<std::pair<uintptr_t, uintptr_t>>& moves) {
+  if (deficit <= 0) return deficit;
+  std::vector<Hole> holes;
+  for (const Segment& s : segments) {
+    if (&s == &target) continue;
+    for (const Piece& p : s.pieces)
+      if (!p.allocated) holes.push_back({p.addr, p.size});
+  }
+  if (holes.empty()) return deficit;
+  std::vector<Piece> order;
+  for (const Piece& p : target.pieces)
+    if (p.allocated) order.push_back(p);
+  std::stable_sort(order.begin(), order.end(), [](const Piece& a, const Piece& b) { return a.size > b.size; });
+  for (const Piece& p : order) {
+    if (deficit <= 0) break;
+    Hole* fit = nullptr;
+    for (Hole& h : holes)
+      if (h.size >= p.size && (fit == nullptr || h.size < fit->size)) fit = &h;
+    if (fit == nullptr) continue;
+    moves.emplace_back(p.addr, fit->addr);
+    fit->addr += p.size;
+    fit->size -= p.size;
+    deficit -= static_cast<int64_t>(p.size);
+  }
+  return deficit;
+}
+
+// cheapest_window: the run (ending with a free block) holding `request` free bytes with the fewest
+// allocated bytes; the whole segment where none does. Returns its allocated blocks.
+std::vector<uintptr_t> cheapest_window(const Segment& seg, const std::unordered_set<uintptr_t>& gone,
+                                       uint64_t request, uint64_t* slid_bytes) {
+  const size_t n = seg.pieces.size();
+  std::vector<char> used(n);
+  for (size_t k = 0; k < n; ++k) used[k] = seg.pieces[k].allocated && gone.count(seg.pieces[k].addr) == 0;
+  bool found = false;
+  size_t best_lo = 0, best_hi = n == 0 ? 0 : n - 1;
+  uint64_t best_cost = 0;
+  size_t i = 0;
+  uint64_t free = 0, in_use = 0;
+  for (size_t j = 0; j < n; ++j) {
+    const uint64_t size = seg.pieces[j].size;
+    if (used[j]) {
+      in_use += size;
+      continue;
+    }
+    free += size;
+    while (i < j) {  // drop leading allocated blocks, and leading free ones not needed
+      const uint64_t s_i = seg.pieces[i].size;
+      if (used[i]) {
+        in_use -= s_i;
+      } else if (free - s_i >= request) {
+        free -= s_i;
+      } else {
+        break;
+      }
+      ++i;
+    }
+    if (free >= request && (!found || in_use < best_cost)) {
+      found = true;
+      best_lo = i;
+      best_hi = j;
+      best_cost = in_use;
+    }
+  }
+  std::vector<uintptr_t> out;
+  *slid_bytes = 0;
+  for (size_t k = best_lo; n > 0 && k <= best_hi; ++k)
+    if (used[k]) {
+      out.push_back(seg.pieces[k].addr);
+      *slid_bytes += seg.pieces[k].size;
+    }
+  return out;
+}
+
+}  // namespace
+
+std::optional<MovePlan> plan_moves(const std::vector<Block>& blocks, const std::unordered_set<uintptr_t>& movable,
+                                   const std::unordered_set<uintptr_t>& freed, uint64_t request) {
+  const std::vector<Segment> segments = segments_of(blocks, movable, freed);
+  const Segment* best = nullptr;
+  std::vector<std::pair<uintptr_t, uintptr_t>> best_moves;
+  for (const Segment& seg : segments) {
+    std::vector<std::pair<uintptr_t, uintptr_t>> moves;
+    const int64_t deficit =
+        evacuate(seg, segments, static_cast<int64_t>(request) - static_cast<int64_t>(seg.free), moves);
+    if (deficit > 0) continue;  // nothing may be released here
+    if (best == nullptr || seg.movable_bytes < best->movable_bytes) {
+      best = &seg;
+      best_moves = std::move(moves);
+    }
+  }
+  if (best == nullptr) return std::nullopt;
+  MovePlan plan;
+  std::unordered_set<uintptr_t> gone;
+  for (const Piece& p : best->pieces)
+    if (p.allocated) plan.segment_movable.push_back(p.addr);
+  for (const auto& [from, to] : best_moves) {
+    gone.insert(from);
+    for (const Piece& p : best->pieces)
+      if (p.addr == from) plan.bytes_to_move += p.size;
+  }
+  uint64_t slid = 0;
+  plan.window = cheapest_window(*best, gone, request, &slid);
+  plan.bytes_to_move += slid;
+  plan.moves = std::move(best_moves);
+  return plan;
+}
+
+}  // namespace pymem

@@ -1,0 +1,49 @@
+// move_plan.h — planning a compaction by moves alone (pymem/compaction_plan.py's plan with nothing
+// releasable, bytes_to_move and cheapest_window, in C++).
+//
+// Why here: under pressure the handler first asks whether sliding the free bytes together costs
+// less than releasing (pressure.py, _moves_cheaper), and the simulator asks the same. Most of those
+// questions end in "release", and planned in Python each cost a walk over every block of the arena
+// and a tuple per block: on Hugging Face GPT-2 at a third of its peak that was about a third of the
+// pressure handler's host time, the time a GPU waits for. The runtime and the simulator both call
+// this one plan; compaction_plan.py keeps the general plan (with releases) and is the reference
+// tests/test_compaction_plan.py holds this one to.
+//
+// The plan. The main region is cut into segments by the allocated blocks that may not move (a
+// block counts as free when `freed` holds its address). For each segment, its movable blocks
+// are moved, largest first (of equal sizes, the lower address first), each into the smallest
+// free block of another segment that holds it (of equal sizes the first in address order), until
+// the segment's free bytes plus those moved out cover the request; a segment where they do not is
+// not a candidate. Of the candidates the one with the fewest movable bytes wins (the first of
+// equal ones). Then the window: of the runs of the chosen segment that end with a free block and
+// hold the request free (moved-out blocks counted free), the one with the fewest allocated bytes
+// to slide; the whole segment where none does.
+//
+// Invariants: pure (reads the block list it is given); deterministic; `blocks` in address order,
+// main region first, as Arena::blocks() returns them.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "types.h"
+
+namespace pymem {
+
+struct MovePlan {
+  std::vector<uintptr_t> segment_movable;              // the chosen segment's movable blocks, address order
+  std::vector<std::pair<uintptr_t, uintptr_t>> moves;  // (from, to), in the order to carry them out
+  std::vector<uintptr_t> window;                       // the blocks to slide once the moves are done
+  uint64_t bytes_to_move = 0;                          // moved out plus slid
+};
+
+// The plan for `request` bytes, or nothing where moves alone cannot make it fit. `movable`: the
+// addresses of allocated main-region blocks that may move; `freed`: addresses of allocated blocks
+// to count as free (a picture after releasing them).
+std::optional<MovePlan> plan_moves(const std::vector<Block>& blocks, const std::unordered_set<uintptr_t>& movable,
+                                   const std::unordered_set<uintptr_t>& freed, uint64_t request);
+
+}  // namespace pymem
