@@ -265,6 +265,16 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
            "movable addresses, [(from, to)] moves, the addresses to slide after them, bytes moved in\n"
            "all), or None. `movable`: addresses of blocks that may move; `freed`: allocated blocks to\n"
            "count as free.")
+      .def("release_path",
+           [](const Arena& a, long long request, const std::vector<uintptr_t>& order) -> py::tuple {
+             std::vector<size_t> taken;
+             const ReleasePath how = release_path(a.blocks(), order, check_size(request, "request"), taken);
+             static const char* names[] = {"fits", "reached", "never"};
+             return py::make_tuple(taken, names[static_cast<int>(how)]);
+           },
+           py::arg("request"), py::arg("order"),
+           "Releasing the blocks at `order`'s addresses one at a time until `request` fits (move_plan.h):\n"
+           "(indices into order released, \"fits\" | \"reached\" (their bytes covered it first) | \"never\").")
       .def("move_block", &Arena::move_block, py::arg("from_addr"), py::arg("to_addr"),
            "Move one allocated block's bytes to to_addr, inside one free block; frees the old range.")
       .def("set_move_stream", &Arena::set_move_stream, py::arg("stream"),

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <unordered_map>
 
 namespace pymem {
 namespace {
@@ -155,6 +156,37 @@ std::optional<MovePlan> plan_moves(const std::vector<Block>& blocks, const std::
   plan.bytes_to_move += slid;
   plan.moves = std::move(best_moves);
   return plan;
+}
+
+ReleasePath release_path(const std::vector<Block>& blocks, const std::vector<uintptr_t>& order, uint64_t request,
+                         std::vector<size_t>& taken) {
+  std::vector<const Block*> main;
+  for (const Block& b : blocks) {
+    if (b.region != RegionKind::Main) break;
+    main.push_back(&b);
+  }
+  std::unordered_map<uintptr_t, size_t> index;
+  index.reserve(main.size());
+  std::vector<char> free(main.size());
+  for (size_t i = 0; i < main.size(); ++i) {
+    index.emplace(main[i]->addr, i);
+    free[i] = !main[i]->allocated;
+  }
+  uint64_t released = 0;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const auto it = index.find(order[k]);
+    if (it == index.end() || free[it->second]) continue;
+    const size_t i = it->second;
+    free[i] = 1;
+    taken.push_back(k);
+    released += main[i]->size;
+    uint64_t run = main[i]->size;  // the free run around it
+    for (size_t lo = i; lo > 0 && free[lo - 1]; --lo) run += main[lo - 1]->size;
+    for (size_t hi = i; hi + 1 < main.size() && free[hi + 1]; ++hi) run += main[hi + 1]->size;
+    if (run >= request) return ReleasePath::kFits;
+    if (released >= request) return ReleasePath::kReached;
+  }
+  return ReleasePath::kNever;
 }
 
 }  // namespace pymem

@@ -46,4 +46,15 @@ struct MovePlan {
 std::optional<MovePlan> plan_moves(const std::vector<Block>& blocks, const std::unordered_set<uintptr_t>& movable,
                                    const std::unordered_set<uintptr_t>& freed, uint64_t request);
 
+// The other side of the question: releasing values in `order` (their blocks' addresses, lowest
+// score first) one at a time until `request` fits in one free block of the main region
+// (compaction_plan.py's release_path_seconds, less the pricing). `taken`: the indices into `order`
+// released (an address that is not an allocated main-region block, or one released already, is
+// skipped). Returns kFits when the last one made a free run that holds the request, kReached when
+// the released bytes covered the request first (a compaction must follow), kNever when `order`
+// ran out.
+enum class ReleasePath : uint8_t { kFits = 0, kReached = 1, kNever = 2 };
+ReleasePath release_path(const std::vector<Block>& blocks, const std::vector<uintptr_t>& order, uint64_t request,
+                         std::vector<size_t>& taken);
+
 }  // namespace pymem

@@ -194,6 +194,47 @@ py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_
   return best ? best : py::none();
 }
 
+py::list ranked_candidates(py::dict table, const ScanInputs& in, py::handle leaf_ok) {
+  Scorer scorer(in);
+  struct Ranked {
+    double score;
+    int64_t id;
+    uintptr_t addr;
+    py::object record;  // owned: leaf_ok runs Python between candidates
+  };
+  std::vector<Ranked> out;
+  PyObject *key, *value;
+  Py_ssize_t pos = 0;
+  const Py_ssize_t size = PyDict_Size(table.ptr());
+  while (PyDict_Next(table.ptr(), &pos, &key, &value)) {
+    RecordObject* r = as_record(value);
+    if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
+    if (!unheld_in_arena(r)) continue;
+    if (!has_recipe(r)) {  // as lowest_scoring: leaf_ok first (it sets the leaf's cost), then liveness
+      if (leaf_ok.is_none()) continue;
+      const bool ok = py::cast<bool>(leaf_ok(py::handle(value)));
+      if (PyDict_Size(table.ptr()) != size)
+        throw std::runtime_error("pymem: the record table changed size during the release scan");
+      if (!ok) continue;
+    }
+    if (!storage_alive(r)) continue;
+    out.push_back({0.0, r->id, storage_ref_of(r)->data_ptr(), py::reinterpret_borrow<py::object>(value)});
+  }
+  pos = 0;
+  while (PyDict_Next(in.cache, &pos, &key, &value)) {
+    RecordObject* r = as_record(key);
+    if (r == nullptr || !has_recipe(r) || r->locks != 0 || r->waits != 0) continue;
+    const uintptr_t addr = py::cast<const StorageRef&>(py::handle(value)[py::int_(0)]).data_ptr();
+    out.push_back({0.0, r->id, addr, py::reinterpret_borrow<py::object>(key)});
+  }
+  for (Ranked& c : out) c.score = scorer.score(reinterpret_cast<RecordObject*>(c.record.ptr()));
+  std::sort(out.begin(), out.end(),
+            [](const Ranked& a, const Ranked& b) { return a.score != b.score ? a.score < b.score : a.id < b.id; });
+  py::list ranked;
+  for (Ranked& c : out) ranked.append(py::make_tuple(c.addr, c.record));
+  return ranked;
+}
+
 py::dict mark_window_owners(Arena& arena, py::dict table, const ScanInputs& in, py::handle leaf_ok, uintptr_t lo,
                             uintptr_t hi) {
   auto data_ptr = [](const RecordObject* r) -> uintptr_t {
@@ -310,6 +351,16 @@ void bind_release_scan(py::module_& m) {  // bindings.cpp calls it
           },
           py::arg("records"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
           py::arg("link_bandwidth"), "The score of each record (a list of floats), as `lowest` scores it.")
+      .def(
+          "ranked",
+          [](const Scan& s, py::dict table, py::dict cache, double now, py::handle plan, py::handle neighbourhood,
+             double link_bandwidth, py::handle leaf_ok) {
+            return ranked_candidates(table, s.inputs(cache, now, plan, neighbourhood, link_bandwidth), leaf_ok);
+          },
+          py::arg("table"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
+          py::arg("link_bandwidth"), py::arg("leaf_ok"),
+          "Every candidate `lowest` looks at, as [(address, record)], lowest score first (of equal scores the "
+          "oldest): the order the pressure handler would release them in.")
       .def(
           "mark_window",
           [](const Scan& s, Arena& arena, py::dict table, py::dict cache, double now, py::handle plan,

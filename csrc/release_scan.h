@@ -72,6 +72,11 @@ class Arena;  // arena.h
 pybind11::dict mark_window_owners(Arena& arena, pybind11::dict table, const ScanInputs& in, pybind11::handle leaf_ok,
                                   uintptr_t lo, uintptr_t hi);
 
+// Every candidate lowest_scoring looks at, as [(address, record)], lowest score first (of equal
+// scores the lowest id): the order releases would take them in, for pricing the release path
+// against compaction (pressure.py's _moves_cheaper) without a Python loop over the table.
+pybind11::list ranked_candidates(pybind11::dict table, const ScanInputs& in, pybind11::handle leaf_ok);
+
 // The score of each record of `records` (an iterable of records), as lowest_scoring scores it:
 // compaction ranks a segment's releasable values with these.
 pybind11::list score_all(pybind11::handle records, const ScanInputs& in);

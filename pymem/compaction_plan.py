@@ -189,3 +189,18 @@ def release_path_seconds(blocks, request: int, order, seconds: Callable,
         if released >= request:
             return None if then is None else total + then(gone)
     return None
+
+
+def release_path_seconds_in(arena, request: int, order, seconds: Callable,
+                            then: Optional[Callable[[set], float]] = None) -> Optional[float]:
+    """release_path_seconds on ``arena`` as it is now, the walk over its blocks in C++
+    (Arena.release_path, csrc/move_plan.h): the same releases priced in the same order."""
+    taken, how = arena.release_path(request, [a for a, _ in order])
+    if how == "never":
+        return None
+    total = 0.0
+    for k in taken:
+        total += seconds(order[k][1])
+    if how == "fits":
+        return total
+    return None if then is None else total + then({order[k][0] for k in taken})

@@ -117,3 +117,39 @@ def test_the_moves_only_plan_in_cpp_is_the_python_plan(ops, request_units, seed)
     else:
         assert got is not None
         assert (list(got[0]), [tuple(m) for m in got[1]], list(got[2]), got[3]) == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 9)), min_size=1, max_size=40),
+       st.integers(1, 30), st.integers(0, 2**32 - 1))
+def test_the_release_path_walked_in_cpp_prices_what_the_python_walk_prices(ops, request_units, seed):
+    """release_path_seconds_in (Arena.release_path) releases the same blocks in the same order as
+    release_path_seconds, and ends the same way (fits, reached: then priced on the same addresses,
+    or never), on random arenas and random orders (with addresses that are free, repeated, or no
+    block's)."""
+    import random
+
+    rng = random.Random(seed)
+    unit = 512
+    arena = _C.Arena(64 * unit, "virtual", small_threshold=0)
+    live = []
+    for size, action in ops:
+        if action < 3 and live:
+            arena.free(live.pop(rng.randrange(len(live))))
+            continue
+        try:
+            live.append(arena.allocate(size * unit))
+        except Exception:
+            pass
+    addrs = [b.addr for b in arena.blocks()] + [arena.blocks()[0].addr + 7 * unit + 1]
+    order = [(rng.choice(addrs), f"v{k}") for k in range(rng.randrange(0, 2 * len(addrs) + 1))]
+    price = {f"v{k}": 2.0 ** k for k in range(len(order))}.__getitem__  # a sum names its releases
+
+    def then(gone):
+        return 1e6 * len(gone) + sum(gone) / 1e9
+
+    request = request_units * unit
+    for then_ in (then, None):
+        want = compaction_plan.release_path_seconds(arena.blocks(), request, order, price, then_)
+        got = compaction_plan.release_path_seconds_in(arena, request, order, price, then_)
+        assert got == want

@@ -51,11 +51,27 @@ def _checking_windows(rt, marks):
     handler._mark_window = both
 
 
-def _checking(rt, picks, plans=None):
-    """rt's pressure handler, made to find each pick (and each compaction plan, into ``plans``)
-    both ways and record the pair."""
+def _checking(rt, picks, plans=None, orders=None):
+    """rt's pressure handler, made to find each pick (and each compaction plan, into ``plans``, and
+    each release order compaction is priced against, into ``orders``) both ways and record the
+    pair."""
     handler = rt.pressure
     native = handler._lowest_scoring
+    if orders is not None:
+        release_order = handler._release_order
+
+        def order_both():
+            got = release_order()
+            scan = handler.scan
+            handler.scan = None
+            try:
+                want = release_order()
+            finally:
+                handler.scan = scan
+            orders.append(([(a, id(r)) for a, r in got], [(a, id(r)) for a, r in want]))
+            return got
+
+        handler._release_order = order_both
     if plans is not None:
         plan = compaction.plan
 
@@ -113,8 +129,8 @@ def test_scan_picks_what_evaluate_picks(managed, name, policy, plan, offload, ra
         options.update(offload=offload, offload_leaves=True)
     rt = pymem.enable(budget=budget_at(_peak(name), ratio), device="cpu", **options)
     assert rt.pressure.scan is not None
-    picks, plans = [], []
-    _checking(rt, picks, plans)
+    picks, plans, orders = [], [], []
+    _checking(rt, picks, plans, orders)
     step = make()
     try:
         got = [step() for _ in range(4)]
@@ -139,7 +155,9 @@ def test_scan_picks_what_evaluate_picks(managed, name, policy, plan, offload, ra
         assert got_plan[0] is want_plan[0] or got_plan[0].blocks == want_plan[0].blocks
         assert got_plan[1] == want_plan[1]
         assert [id(r) for r in got_plan[2]] == [id(r) for r in want_plan[2]]
-    assert plans or name == "cnn", "no compaction happened: the plans went unchecked"
+    assert plans or orders or name == "cnn", "no compaction was considered: the plans went unchecked"
+    wrong = [(g, w) for g, w in orders if g != w]
+    assert not wrong, f"{len(wrong)} of {len(orders)} release orders differ"
 
 
 @pytest.mark.parametrize("plan", ["auto", "off"])

@@ -28,7 +28,7 @@ import time
 
 from .. import _C
 from ..policies import Planned, Policy, sample_candidates
-from ..compaction_plan import comeback_seconds, release_path_seconds
+from ..compaction_plan import comeback_seconds, release_path_seconds_in
 from .compaction import compact_for
 
 _perf = time.perf_counter
@@ -141,20 +141,25 @@ class PressureHandler:
         first, those and the moves of the compaction that follows (one that gathers nearly all the
         free bytes may move most of the arena, where a few releases leave it little to move)."""
         rt = self.rt
-        cands = list(self._candidates())
-        records = [r for r, _ in cands]
-        scores = self.scores(records)
-        if scores is None:
-            scores = [rt.policy.evaluate(r, rt.clock) for r in records]
-        ranked = sorted(range(len(cands)), key=lambda i: (scores[i], records[i].id))  # the oldest of equal scores first
-        order = [(cands[i][1].data_ptr, records[i]) for i in ranked]
-        blocks = rt.arena.blocks()
+        order = self._release_order()
 
         def then(freed: set) -> float:  # the arena is as compact_for's picture (movable) found it
             after = rt.arena.plan_moves(request, list(movable), list(freed))
             return math.inf if after is None else rt.move_seconds(after[3])
-        path = release_path_seconds(blocks, request, order, comeback_seconds, then)
+        path = release_path_seconds_in(rt.arena, request, order, comeback_seconds, then)
         return path is None or rt.move_seconds(moved) < path
+
+    def _release_order(self) -> list:
+        """Every candidate as (address, record), in the order releases take them: lowest score
+        first, the oldest of equal scores first (from the scan in C++ where the policy has one)."""
+        rt = self.rt
+        if self.scan is not None:
+            return self.scan.ranked(rt.table, *self._scan_state(), self._leaf_ok())
+        cands = list(self._candidates())
+        records = [r for r, _ in cands]
+        scores = [rt.policy.evaluate(r, rt.clock) for r in records]
+        ranked = sorted(range(len(cands)), key=lambda i: (scores[i], records[i].id))
+        return [(cands[i][1].data_ptr, records[i]) for i in ranked]
 
     def release_for(self, deficit: int) -> bool:
         """allocator='native': nothing calls us before a refusal, so after one, release the

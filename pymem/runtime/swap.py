@@ -142,6 +142,7 @@ class HostMemory:
 
             table = load().runtime_table()
         self.pool = _C.HostPool(chunk, cap_bytes=cap or 0, cuda_table=table)
+        self.capped = bool(cap)  # without a cap every request fits
 
     def empty(self, nbytes: int) -> Optional[torch.Tensor]:
         """A uint8 host buffer, or None when the cap leaves no room."""

@@ -512,12 +512,12 @@ class Simulator:
         it, and the moves of the compaction after them)."""
         order = sorted(((a, v) for a, v in self.by_addr.items() if self._releasable(v)),
                        key=lambda av: self._release_key(av[1]))
-        blocks = self.arena.blocks()
 
         def then(freed: set) -> float:
             after = self.arena.plan_moves(request, list(movable), list(freed))
             return math.inf if after is None else self._move_seconds(after[3])
-        path = compaction_plan.release_path_seconds(blocks, request, order, compaction_plan.comeback_seconds, then)
+        path = compaction_plan.release_path_seconds_in(self.arena, request, order, compaction_plan.comeback_seconds,
+                                                       then)
         return path is None or self._move_seconds(moved) < path
 
     def _move_seconds(self, nbytes: int) -> float:
