@@ -5,7 +5,8 @@ model's own gradient checkpointing, on the CPU or a GPU.
         [--batch B] [--seq T] [--steps 10] [--warmup 3] [--json FILE] [--subprocess]
         [--limit SECONDS] [--only SUBSTRINGS] [--logs DIR] [--offload D] [--policy P]
 
-On an H100 (meant to finish in under 5 minutes; not yet run on one): --device cuda --model gpt2-small --steps 6 --warmup 3 --limit 120
+On a GPU: --device cuda --model gpt2-small --steps 6 --warmup 3 --limit 120 (117 s on an H200 without the
+pymem + hf-checkpointing rows, 2026-11-28: README, "On a GPU")
 
 Models: "test" is the GPT-2 config of tests/test_models_hf.py (batch 16 x 64 tokens, 4 layers of
 width 32); "gpt2-small" is GPT-2 124M (12 layers, width 768, 12 heads, vocabulary 50257) at batch
