@@ -27,8 +27,9 @@ Copy out ahead (Capuchin's swap-out ahead of release, ZeRO-Offload's overlapped 
 copy out in compute's order (the compute stream, the calling thread) stalls compute for its whole
 time, at the moment memory is shortest. While the steps follow their plan, a value whose
 counterpart the step before offloaded (the same index of the step trace: csrc/step_trace.h,
-note_offload) may start its copy out as soon as it exists, beside compute (a second worker thread on the CPU device, a second side stream on CUDA: one queue
-per direction) while it stays resident. The copies wait in the order of the releases the step
+note_offload) may start its copy out as soon as it exists, beside compute (a second worker
+thread on the CPU device, a second side stream on CUDA: one queue per direction) while it stays
+resident. The copies wait in the order of the releases the step
 before made, the first expected first, and start while fewer than ``_OUT_QUEUE_BYTES`` are
 queued (a stream runs its copies in order: a copy wanted first must not wait behind the state of
 a whole optimizer). Its release then copies nothing, or waits only for the
