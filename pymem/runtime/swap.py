@@ -311,10 +311,10 @@ class _CudaCopier(_CopyTimes):
     for the compute stream's work so far; the caching allocator of allocator="native" orders its
     blocks by stream too), and the host block it writes is handed out again only after the copy's
     event (HostMemory.used_by_copy). Waiting here instead held the host back until the GPU had
-    caught up, at each offload: under a budget the host could never run ahead. Out ahead: on a second side stream after the compute stream's work so far;
-    the swapper holds the source storage until it is done, and the compute stream waits for it
-    before anything frees or writes that block. In, on demand: on the compute stream (ordered
-    before every reader). Prefetch: on a side stream after the compute stream's work so far; the
+    caught up, at each offload: under a budget the host could never run ahead. Out ahead: on a
+    second side stream after the compute stream's work so far; the swapper holds the source
+    storage until it is done, and the compute stream waits for it before anything frees or writes
+    that block. In, on demand: ordered before every reader by the compute stream. Prefetch: on a side stream after the compute stream's work so far; the
     compute stream waits for it when the value is adopted. Each copy sits between two timing
     events on its stream (start, done): ``start.elapsed_time(done)`` is the copy engine's time for
     it (``start`` completes when the work before it on the stream has, so that is not counted); a
