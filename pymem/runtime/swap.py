@@ -413,7 +413,9 @@ class Swapper:
         self.in_flight: Dict[Record, tuple] = {}  # record -> (device buffer, copy handle)
         # Copies out ahead, oldest first (they complete in that order): record -> (host buffer,
         # a view of its storage held until done, copy handle).
-        self.out_flight: Dict[Record, tuple] = {}
+        # Ordered: _adopt_out looks at the oldest after every op, and an OrderedDict finds it in
+        # O(1) where a dict would skip every entry deleted before it.
+        self.out_flight: "collections.OrderedDict[Record, tuple]" = collections.OrderedDict()
         self.release_when_out: set = set()  # planned releases waiting for their copy out ahead
         self.kept: List[torch.Tensor] = []  # views of released storages, dropped after the op
         # Copies out ahead not started: (expected release position, tie-break, weakref), a heap;
@@ -527,11 +529,13 @@ class Swapper:
     def _adopt_out(self) -> None:
         """Copies out ahead that are done: their host copies are the records' (oldest first, and
         they complete in order: the first still running ends the look)."""
-        done = self.copier.done
-        for r, (host, _, handle) in list(self.out_flight.items()):
+        done, flight = self.copier.done, self.out_flight
+        while flight:
+            r = next(iter(flight))
+            host, _, handle = flight[r]
             if not done(handle):
                 break
-            del self.out_flight[r]
+            del flight[r]
             self.out_bytes -= r.nbytes
             self._out_done(r, host)
             if r in self.release_when_out:  # the plan released it early: now it copies nothing
