@@ -7,6 +7,7 @@
 #include <unordered_set>
 
 #include "record.h"
+#include "release_scan.h"
 #include "storage.h"
 
 namespace py = pybind11;
@@ -28,7 +29,7 @@ py::dict movable_blocks(py::dict table, py::dict cache, uintptr_t lo, uintptr_t 
     if (addr < lo || addr >= hi || held.count(addr) != 0) continue;
     bool releasable = r->in_arena && r->locks == 0;
     if (releasable && (r->recipe == nullptr || r->recipe == Py_None))
-      releasable = !leaf_ok.is_none() && leaf_ok(py::handle(value)).cast<bool>();
+      releasable = leaf_may_go(leaf_ok, value);
     py::object sref = py::handle(value).attr("sref");  // the Python StorageRef, made on first read
     out[py::int_(addr)] = py::make_tuple(py::handle(value), sref, releasable);
   }

@@ -21,8 +21,8 @@
 namespace pymem {
 
 // {addr: (record, StorageRef, releasable)}. `table`: {key: record}; `cache`: {record: (StorageRef,
-// tensor)}; `busy`: addresses that may not move; `leaf_ok(record)`: whether a leaf may be
-// released (None: none may).
+// tensor)}; `busy`: addresses that may not move; `leaf_ok`: whether a leaf may be released, as
+// release_scan.h's leaf_may_go reads it (None: none may).
 pybind11::dict movable_blocks(pybind11::dict table, pybind11::dict cache, uintptr_t lo, uintptr_t hi,
                               const std::vector<uintptr_t>& busy, pybind11::handle leaf_ok);
 

@@ -152,6 +152,16 @@ ScoreFormula parse_formula(py::handle costs, py::handle per) {
 
 }  // namespace
 
+bool leaf_may_go(py::handle rule, PyObject* record) {
+  if (rule.is_none()) return false;
+  if (PyFloat_Check(rule.ptr())) {
+    auto* r = reinterpret_cast<RecordObject*>(record);
+    r->compute_cost = 2.0 * static_cast<double>(r->nbytes) / PyFloat_AS_DOUBLE(rule.ptr());  // out and back
+    return true;
+  }
+  return py::cast<bool>(rule(py::handle(record)));
+}
+
 py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_ok) {
   Scorer scorer(in);
   py::object best;  // owned: Python (leaf_ok) may run between picks
@@ -175,9 +185,9 @@ py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_
     if (!unheld_in_arena(r)) continue;
     if (!has_recipe(r)) {
       if (leaf_ok.is_none()) continue;
-      // Called before the liveness test, as the Python loop does (it sets the leaf's cost).
+      // Asked before the liveness test, as the Python loop does (it sets the leaf's cost).
       py::object held = py::reinterpret_borrow<py::object>(value);
-      const bool ok = py::cast<bool>(leaf_ok(held));
+      const bool ok = leaf_may_go(leaf_ok, held.ptr());
       if (PyDict_Size(table.ptr()) != size)
         throw std::runtime_error("pymem: the record table changed size during the release scan");
       if (!ok) continue;
@@ -212,7 +222,8 @@ py::list ranked_candidates(py::dict table, const ScanInputs& in, py::handle leaf
     if (!unheld_in_arena(r)) continue;
     if (!has_recipe(r)) {  // as lowest_scoring: leaf_ok first (it sets the leaf's cost), then liveness
       if (leaf_ok.is_none()) continue;
-      const bool ok = py::cast<bool>(leaf_ok(py::handle(value)));
+      py::object held = py::reinterpret_borrow<py::object>(value);
+      const bool ok = leaf_may_go(leaf_ok, held.ptr());
       if (PyDict_Size(table.ptr()) != size)
         throw std::runtime_error("pymem: the record table changed size during the release scan");
       if (!ok) continue;
@@ -241,9 +252,7 @@ py::dict mark_window_owners(Arena& arena, py::dict table, const ScanInputs& in, 
     const StorageRef* s = storage_ref_of(r);
     return s != nullptr ? s->data_ptr() : 0;
   };
-  auto leaf_may_go = [&](PyObject* value) {
-    return !leaf_ok.is_none() && py::cast<bool>(leaf_ok(py::handle(value)));
-  };
+  auto leaf_ok_for = [&](PyObject* value) { return leaf_may_go(leaf_ok, value); };
   // Owner 0: a value that must stay (locked, waited on, pinned, a leaf that cannot go).
   std::vector<py::object> table_records;  // owned: leaf_ok runs Python
   PyObject *key, *value;
@@ -253,7 +262,7 @@ py::dict mark_window_owners(Arena& arena, py::dict table, const ScanInputs& in, 
     RecordObject* r = as_record(o.ptr());
     if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
     if (!r->in_arena || r->evicted) continue;
-    if (r->locks != 0 || r->waits != 0 || r->pins != 0 || (!has_recipe(r) && !leaf_may_go(o.ptr()))) {
+    if (r->locks != 0 || r->waits != 0 || r->pins != 0 || (!has_recipe(r) && !leaf_ok_for(o.ptr()))) {
       const uintptr_t addr = data_ptr(r);
       if (addr != 0) arena.set_owner(addr, 0, 0.0);
     }
@@ -271,7 +280,7 @@ py::dict mark_window_owners(Arena& arena, py::dict table, const ScanInputs& in, 
   std::vector<std::pair<py::object, uintptr_t>> candidates;
   for (const py::object& o : table_records) {
     RecordObject* r = as_record(o.ptr());
-    if (!unheld_in_arena(r) || (!has_recipe(r) && !leaf_may_go(o.ptr())) || !storage_alive(r)) continue;
+    if (!unheld_in_arena(r) || (!has_recipe(r) && !leaf_ok_for(o.ptr())) || !storage_alive(r)) continue;
     candidates.emplace_back(o, data_ptr(r));
   }
   for (auto& [o, addr] : cached) {

@@ -55,6 +55,13 @@ struct ScanInputs {
   PyObject* cache = nullptr;      // {record: (StorageRef, tensor)}: values recomputed only as inputs
 };
 
+// Whether a leaf (a record with no recipe) may be released, as Residency.leaf_releasable says:
+// `rule` is None (no leaf may go), a float (every leaf may go, the host pool having no cap: the
+// leaf's cost is set to its copy out and back at that many bytes/s, as leaf_releasable sets it),
+// or leaf_releasable itself, called. The float keeps the scans off Python: they ask it of every
+// leaf (parameters, gradients, optimizer state) at every release under pressure.
+bool leaf_may_go(pybind11::handle rule, PyObject* record);
+
 // The record to release now: the lowest score among the records of `table` ({key: record}) that
 // are in memory in the arena and free to go (no locks, waits or pins; a recipe, or a leaf for which
 // `leaf_ok(record)` is true: leaf_ok None means no leaf may go), then the cache's records with a

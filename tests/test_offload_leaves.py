@@ -37,6 +37,31 @@ def test_a_leaf_is_offloaded_and_comes_back_byte_exact_with_its_version(managed)
     assert leaf._version == version and not pymem._C.storage_is_evicted(leaf)
 
 
+@pytest.mark.parametrize("host_budget", [None, 2 * MiB])
+def test_the_scans_let_a_leaf_go_where_the_host_pool_has_room_and_price_its_two_copies(managed, host_budget):
+    """The C++ scans (the pick, compaction's view of what may move) ask whether a leaf may go as
+    Residency.leaf_releasable answers: with no cap on the host pool every leaf may, its cost set to
+    a copy out and back (given as the link's rate, no Python call per leaf); under a cap too small
+    for it, none."""
+    from pymem.runtime.compaction import movable_blocks
+
+    rt = pymem.enable(64 * MiB, device="cpu", offload="always", host_budget=host_budget)
+    with pymem.no_recompute():
+        leaf = torch.ones(MiB)  # 4 MiB, no recipe
+    r = rt.table[pymem._C.storage_key(leaf)]
+    r.compute_cost = 0.0
+    rule = rt.residency.leaf_rule()
+    entry = movable_blocks(rt)[leaf.untyped_storage().data_ptr()]
+    if host_budget is None:
+        assert isinstance(rule, float)
+        assert entry[2] is True and r.compute_cost == 2 * r.nbytes / rt.residency.link_bandwidth
+        assert rt.pressure._lowest_scoring() is r  # the only candidate
+    else:
+        assert rule == rt.residency.leaf_releasable
+        assert entry[2] is False and r.compute_cost == 0.0
+        assert rt.pressure._lowest_scoring() is None
+
+
 def test_a_leaf_written_in_place_after_its_return_drops_its_stale_host_copy(managed):
     rt = pymem.enable(8 * MiB, device="cpu", offload="always")
     with pymem.no_recompute():

@@ -57,7 +57,7 @@ def movable_blocks(rt) -> Dict[int, tuple]:
     busy = _busy_addresses(rt)
     if rt.swap is not None:  # a copy out ahead reads these
         busy.update(src.untyped_storage().data_ptr() for _, src, _ in rt.swap.out_flight.values())
-    return _C.movable_blocks(rt.table, rt.cache, rt.lo, rt.main_hi, list(busy), rt.residency.leaf_releasable)
+    return _C.movable_blocks(rt.table, rt.cache, rt.lo, rt.main_hi, list(busy), rt.residency.leaf_rule())
 
 
 def plan(rt, request: int, movable: Dict[int, tuple]):

@@ -198,9 +198,8 @@ class PressureHandler:
                 res.link_bandwidth)
 
     def _leaf_ok(self):
-        """Residency.leaf_releasable where leaves may be released, else None (no leaf goes)."""
-        res = self.rt.residency
-        return res.leaf_releasable if res.offload_leaves else None
+        """Residency.leaf_rule: what the scans take for leaf_releasable (None: no leaf goes)."""
+        return self.rt.residency.leaf_rule()
 
     def _lowest_scoring(self):
         """The candidate with the lowest score (of equal ones the oldest, by record id: the table's

@@ -59,6 +59,16 @@ class Residency:
         r.compute_cost = 2 * r.nbytes / self.link_bandwidth  # out and back: Record.swap_cost twice
         return True
 
+    def leaf_rule(self):
+        """leaf_releasable as the C++ scans take it (csrc/release_scan.h, leaf_may_go): None where
+        no leaf goes; the host link's bytes/s where every leaf goes (the host pool has no cap),
+        so that no scan calls back into Python for each leaf; else leaf_releasable itself."""
+        if not self.offload_leaves:
+            return None
+        if not self.swap.host.capped:
+            return float(self.link_bandwidth)
+        return self.leaf_releasable
+
     def release(self, r: Record) -> None:
         """Free one value's buffer now: offloaded (a host copy brings it back) if it has a host copy
         already or the director says so, else evicted (it stays recomputable). A leaf is always
