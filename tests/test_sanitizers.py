@@ -17,7 +17,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # setup.py's EXT_SOURCES less the torch side (allocator_install, hook_*, storage): those need libtorch.
-SOURCES = ["arena.cpp", "compact.cpp", "history.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "step_placement.cpp", "window.cpp", "backing.cpp",
+SOURCES = ["arena.cpp", "compact.cpp", "history.cpp", "region.cpp", "free_index.cpp", "placement.cpp", "step_placement.cpp", "window.cpp", "backing.cpp", "move_plan.cpp",
            "bench.cpp", "bindings_arena.cpp", "bindings.cpp"]
 
 
