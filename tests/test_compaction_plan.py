@@ -1,6 +1,7 @@
 """compaction_plan's pricing of the pressure handler's two ways when the free bytes cover a request
 only scattered: compacting (bytes_to_move) against releasing until it fits (release_path_seconds)."""
 import math
+import random
 from collections import namedtuple
 
 from pymem import compaction_plan
@@ -68,6 +69,26 @@ from hypothesis import strategies as st  # noqa: E402
 from pymem import _C  # noqa: E402
 
 
+UNIT = 512
+ARENA_OPS = st.lists(st.tuples(st.integers(1, 12), st.integers(0, 9)), min_size=1, max_size=40)
+
+
+def _random_arena(ops, rng):
+    """A 32 KiB virtual arena after ``ops``: (size in 512-byte units, action), action < 3 freeing a
+    live block chosen by ``rng`` (if any), else allocating (a request that does not fit is skipped)."""
+    arena = _C.Arena(64 * UNIT, "virtual", small_threshold=0)
+    live = []
+    for size, action in ops:
+        if action < 3 and live:
+            arena.free(live.pop(rng.randrange(len(live))))
+            continue
+        try:
+            live.append(arena.allocate(size * UNIT))
+        except Exception:  # full: the picture stays as it is
+            pass
+    return arena
+
+
 def _reference_moves_plan(arena, request, movable, freed):
     """compaction_plan.plan with nothing releasable on the arena's picture after `freed`, and what
     carrying it out moves: the plan Arena.plan_moves must give."""
@@ -86,30 +107,17 @@ def _reference_moves_plan(arena, request, movable, freed):
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 9)), min_size=1, max_size=40),
-       st.integers(1, 30), st.integers(0, 2**32 - 1))
+@given(ARENA_OPS, st.integers(1, 30), st.integers(0, 2**32 - 1))
 def test_the_moves_only_plan_in_cpp_is_the_python_plan(ops, request_units, seed):
     """Arena.plan_moves picks the segment, moves, window and byte count compaction_plan's plan,
     cheapest_window and bytes_to_move give with nothing releasable, on random arenas: random
     allocations and frees, a random part of the blocks fixed, another counted as freed."""
-    import random
-
     rng = random.Random(seed)
-    unit = 512
-    arena = _C.Arena(64 * unit, "virtual", small_threshold=0)
-    live = []
-    for size, action in ops:
-        if action < 3 and live:
-            arena.free(live.pop(rng.randrange(len(live))))
-            continue
-        try:
-            live.append(arena.allocate(size * unit))
-        except Exception:  # full: the picture stays as it is
-            pass
+    arena = _random_arena(ops, rng)
     allocated = [b.addr for b in arena.blocks() if b.allocated]
     movable = [a for a in allocated if rng.random() < 0.7]
     freed = {a for a in allocated if rng.random() < 0.15}
-    request = request_units * unit
+    request = request_units * UNIT
     got = arena.plan_moves(request, movable, sorted(freed))
     want = _reference_moves_plan(arena, request, movable, freed)
     if want is None:
@@ -120,35 +128,22 @@ def test_the_moves_only_plan_in_cpp_is_the_python_plan(ops, request_units, seed)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 9)), min_size=1, max_size=40),
-       st.integers(1, 30), st.integers(0, 2**32 - 1))
+@given(ARENA_OPS, st.integers(1, 30), st.integers(0, 2**32 - 1))
 def test_the_release_path_walked_in_cpp_prices_what_the_python_walk_prices(ops, request_units, seed):
     """release_path_seconds_in (Arena.release_path) releases the same blocks in the same order as
     release_path_seconds, and ends the same way (fits, reached: then priced on the same addresses,
     or never), on random arenas and random orders (with addresses that are free, repeated, or no
     block's)."""
-    import random
-
     rng = random.Random(seed)
-    unit = 512
-    arena = _C.Arena(64 * unit, "virtual", small_threshold=0)
-    live = []
-    for size, action in ops:
-        if action < 3 and live:
-            arena.free(live.pop(rng.randrange(len(live))))
-            continue
-        try:
-            live.append(arena.allocate(size * unit))
-        except Exception:
-            pass
-    addrs = [b.addr for b in arena.blocks()] + [arena.blocks()[0].addr + 7 * unit + 1]
+    arena = _random_arena(ops, rng)
+    addrs = [b.addr for b in arena.blocks()] + [arena.blocks()[0].addr + 7 * UNIT + 1]
     order = [(rng.choice(addrs), f"v{k}") for k in range(rng.randrange(0, 2 * len(addrs) + 1))]
     price = {f"v{k}": 2.0 ** k for k in range(len(order))}.__getitem__  # a sum names its releases
 
     def then(gone):
         return 1e6 * len(gone) + sum(gone) / 1e9
 
-    request = request_units * unit
+    request = request_units * UNIT
     for then_ in (then, None):
         want = compaction_plan.release_path_seconds(arena.blocks(), request, order, price, then_)
         got = compaction_plan.release_path_seconds_in(arena, request, order, price, then_)
