@@ -162,20 +162,15 @@ bool leaf_may_go(py::handle rule, PyObject* record) {
   return py::cast<bool>(rule(py::handle(record)));
 }
 
-py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_ok) {
-  Scorer scorer(in);
-  py::object best;  // owned: Python (leaf_ok) may run between picks
-  double best_score = std::numeric_limits<double>::infinity();
-  int64_t best_id = 0;
-  auto consider = [&](PyObject* o) {
-    auto* r = reinterpret_cast<RecordObject*>(o);
-    const double s = scorer.score(r);
-    if (s < best_score || (s == best_score && best && r->id < best_id)) {
-      best = py::reinterpret_borrow<py::object>(o);
-      best_score = s;
-      best_id = r->id;
-    }
-  };
+namespace {
+
+// Every release candidate, as lowest_scoring takes them: f(record, nullptr) for each record of
+// `table` in memory in the arena and free to go (a leaf only where leaf_ok lets it go, asked before
+// the liveness test as the Python loop does, since it sets the leaf's cost), then f(record, entry)
+// for each record of the recompute cache with a recipe and no locks or waits (entry: its
+// (StorageRef, tensor)).
+template <class F>
+void for_each_candidate(py::dict table, PyObject* cache, py::handle leaf_ok, F&& f) {
   PyObject *key, *value;
   Py_ssize_t pos = 0;
   const Py_ssize_t size = PyDict_Size(table.ptr());
@@ -185,7 +180,6 @@ py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_
     if (!unheld_in_arena(r)) continue;
     if (!has_recipe(r)) {
       if (leaf_ok.is_none()) continue;
-      // Asked before the liveness test, as the Python loop does (it sets the leaf's cost).
       py::object held = py::reinterpret_borrow<py::object>(value);
       const bool ok = leaf_may_go(leaf_ok, held.ptr());
       if (PyDict_Size(table.ptr()) != size)
@@ -193,19 +187,36 @@ py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_
       if (!ok) continue;
     }
     if (!storage_alive(r)) continue;  // after leaf_ok: Python reading r.sref replaces its reference
-    consider(value);
+    f(value, nullptr);
   }
   pos = 0;
-  while (PyDict_Next(in.cache, &pos, &key, &value)) {
+  while (PyDict_Next(cache, &pos, &key, &value)) {
     RecordObject* r = as_record(key);
     if (r == nullptr || !has_recipe(r) || r->locks != 0 || r->waits != 0) continue;
-    consider(key);
+    f(key, value);
   }
+}
+
+}  // namespace
+
+py::object lowest_scoring(py::dict table, const ScanInputs& in, py::handle leaf_ok) {
+  Scorer scorer(in);
+  py::object best;  // owned: Python (leaf_ok) may run between picks
+  double best_score = std::numeric_limits<double>::infinity();
+  int64_t best_id = 0;
+  for_each_candidate(table, in.cache, leaf_ok, [&](PyObject* o, PyObject*) {
+    auto* r = reinterpret_cast<RecordObject*>(o);
+    const double s = scorer.score(r);
+    if (s < best_score || (s == best_score && best && r->id < best_id)) {
+      best = py::reinterpret_borrow<py::object>(o);
+      best_score = s;
+      best_id = r->id;
+    }
+  });
   return best ? best : py::none();
 }
 
 py::list ranked_candidates(py::dict table, const ScanInputs& in, py::handle leaf_ok) {
-  Scorer scorer(in);
   struct Ranked {
     double score;
     int64_t id;
@@ -213,31 +224,13 @@ py::list ranked_candidates(py::dict table, const ScanInputs& in, py::handle leaf
     py::object record;  // owned: leaf_ok runs Python between candidates
   };
   std::vector<Ranked> out;
-  PyObject *key, *value;
-  Py_ssize_t pos = 0;
-  const Py_ssize_t size = PyDict_Size(table.ptr());
-  while (PyDict_Next(table.ptr(), &pos, &key, &value)) {
-    RecordObject* r = as_record(value);
-    if (r == nullptr) throw std::logic_error("pymem: the runtime's table holds a value that is no Record");
-    if (!unheld_in_arena(r)) continue;
-    if (!has_recipe(r)) {  // as lowest_scoring: leaf_ok first (it sets the leaf's cost), then liveness
-      if (leaf_ok.is_none()) continue;
-      py::object held = py::reinterpret_borrow<py::object>(value);
-      const bool ok = leaf_may_go(leaf_ok, held.ptr());
-      if (PyDict_Size(table.ptr()) != size)
-        throw std::runtime_error("pymem: the record table changed size during the release scan");
-      if (!ok) continue;
-    }
-    if (!storage_alive(r)) continue;
-    out.push_back({0.0, r->id, storage_ref_of(r)->data_ptr(), py::reinterpret_borrow<py::object>(value)});
-  }
-  pos = 0;
-  while (PyDict_Next(in.cache, &pos, &key, &value)) {
-    RecordObject* r = as_record(key);
-    if (r == nullptr || !has_recipe(r) || r->locks != 0 || r->waits != 0) continue;
-    const uintptr_t addr = py::cast<const StorageRef&>(py::handle(value)[py::int_(0)]).data_ptr();
-    out.push_back({0.0, r->id, addr, py::reinterpret_borrow<py::object>(key)});
-  }
+  for_each_candidate(table, in.cache, leaf_ok, [&](PyObject* o, PyObject* entry) {
+    auto* r = reinterpret_cast<RecordObject*>(o);
+    const uintptr_t addr = entry == nullptr ? storage_ref_of(r)->data_ptr()
+                                            : py::cast<const StorageRef&>(py::handle(entry)[py::int_(0)]).data_ptr();
+    out.push_back({0.0, r->id, addr, py::reinterpret_borrow<py::object>(o)});
+  });
+  Scorer scorer(in);
   for (Ranked& c : out) c.score = scorer.score(reinterpret_cast<RecordObject*>(c.record.ptr()));
   std::sort(out.begin(), out.end(),
             [](const Ranked& a, const Ranked& b) { return a.score != b.score ? a.score < b.score : a.id < b.id; });
@@ -327,6 +320,13 @@ void bind_release_scan(py::module_& m) {  // bindings.cpp calls it
       return in;
     }
   };
+  // A method of the scan over the record table: f(table, the scan's inputs, leaf_ok).
+  auto over_table = [](auto f) {
+    return [f](const Scan& s, py::dict table, py::dict cache, double now, py::handle plan, py::handle neighbourhood,
+               double link_bandwidth, py::handle leaf_ok) {
+      return f(table, s.inputs(cache, now, plan, neighbourhood, link_bandwidth), leaf_ok);
+    };
+  };
   py::class_<Scan>(m, "ReleaseScan",
                    "A policy's score as data, evaluated over the runtime's records (csrc/release_scan.h).")
       .def(py::init([](py::handle costs, py::handle per, py::handle fallback_costs, py::handle fallback_per,
@@ -343,12 +343,7 @@ void bind_release_scan(py::module_& m) {  // bindings.cpp calls it
            py::arg("fallback_per") = py::tuple(), py::arg("block_per_byte") = true,
            py::arg("fallback_block_per_byte") = true)
       .def(
-          "lowest",
-          [](const Scan& s, py::dict table, py::dict cache, double now, py::handle plan, py::handle neighbourhood,
-             double link_bandwidth, py::handle leaf_ok) {
-            return lowest_scoring(table, s.inputs(cache, now, plan, neighbourhood, link_bandwidth), leaf_ok);
-          },
-          py::arg("table"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
+          "lowest", over_table(lowest_scoring), py::arg("table"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
           py::arg("link_bandwidth"), py::arg("leaf_ok"),
           "The record to release now (None: no candidate): see csrc/release_scan.h.")
       .def(
@@ -361,12 +356,7 @@ void bind_release_scan(py::module_& m) {  // bindings.cpp calls it
           py::arg("records"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
           py::arg("link_bandwidth"), "The score of each record (a list of floats), as `lowest` scores it.")
       .def(
-          "ranked",
-          [](const Scan& s, py::dict table, py::dict cache, double now, py::handle plan, py::handle neighbourhood,
-             double link_bandwidth, py::handle leaf_ok) {
-            return ranked_candidates(table, s.inputs(cache, now, plan, neighbourhood, link_bandwidth), leaf_ok);
-          },
-          py::arg("table"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
+          "ranked", over_table(ranked_candidates), py::arg("table"), py::arg("cache"), py::arg("now"), py::arg("plan"), py::arg("neighbourhood"),
           py::arg("link_bandwidth"), py::arg("leaf_ok"),
           "Every candidate `lowest` looks at, as [(address, record)], lowest score first (of equal scores the "
           "oldest): the order the pressure handler would release them in.")
