@@ -2,6 +2,12 @@
 move or be released: which segment between unmovable blocks to clear, what to move out of it and
 what to release in it so that a request fits once the segment slides together. Pure: the runtime
 (runtime/compaction.py) and the simulator (sim/replay.py) both plan with it and carry the plan out.
+
+Two questions the pressure handler asks at most requests run in C++ over the arena itself
+(csrc/move_plan.h): the plan by moves alone (``plan`` with nothing releasable, then
+``bytes_to_move``: Arena.plan_moves, also ``bytes_to_move_after``'s question) and the release path's
+walk (Arena.release_path, priced by ``release_path_seconds_in``). The Python here is the reference
+tests/test_compaction_plan.py holds them to.
 """
 import math
 from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
