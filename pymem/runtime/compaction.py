@@ -88,16 +88,17 @@ def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
     return bool(slid)
 
 
-def compact_for(rt, request: int, worth: Optional[Callable[[int, Dict[int, tuple]], bool]] = None) -> bool:
+def compact_for(rt, request: int, worth: Optional[Callable[[int, List[int]], bool]] = None) -> bool:
     """Release and move so that ``request`` fits in one block; False when no segment can hold it.
     ``worth``: only by moves (the arena's plan_moves, csrc/move_plan.h), and only if
-    ``worth(bytes to move, movable_blocks)`` says so (else nothing is done)."""
+    ``worth(bytes to move, the movable addresses)`` says so (else nothing is done)."""
     if not rt.can_compact:
         return False
     movable = movable_blocks(rt)
     if worth is not None:
-        chosen = rt.arena.plan_moves(request, list(movable))
-        if chosen is None or not worth(chosen[3], movable):
+        addrs = list(movable)
+        chosen = rt.arena.plan_moves(request, addrs)
+        if chosen is None or not worth(chosen[3], addrs):
             return False
         seg_movable, moves, window, _ = chosen
         seg, victims = None, []

@@ -135,7 +135,7 @@ class PressureHandler:
         elif not compact_for(rt, request):
             self._release_window(request)
 
-    def _moves_cheaper(self, request: int, moved: int, movable: dict) -> bool:
+    def _moves_cheaper(self, request: int, moved: int, movable: list) -> bool:
         """Whether moving ``moved`` bytes costs less than what releasing would: the comebacks of the
         values released, lowest score first, until ``request`` fits, or where their bytes reach it
         first, those and the moves of the compaction that follows (one that gathers nearly all the
@@ -144,7 +144,7 @@ class PressureHandler:
         order = self._release_order()
 
         def then(freed: set) -> float:  # the arena is as compact_for's picture (movable) found it
-            after = rt.arena.plan_moves(request, list(movable), list(freed))
+            after = rt.arena.plan_moves(request, movable, list(freed))
             return math.inf if after is None else rt.move_seconds(after[3])
         path = release_path_seconds_in(rt.arena, request, order, comeback_seconds, then)
         return path is None or rt.move_seconds(moved) < path

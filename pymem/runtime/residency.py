@@ -49,12 +49,7 @@ class Residency:
         """Whether leaf r (no recipe) could leave memory now (the caller checks locks, pins and
         waits; a value with a recipe always can): leaves are offloaded and the host pool has room
         for it. A leaf's return costs its copy only: that is its cost for the policy, set here."""
-        # Asked of every leaf at every release scan under pressure: kept to two field reads and no
-        # call where the host pool has no cap (then every copy fits).
-        if not self.offload_leaves:
-            return False
-        host = self.swap.host
-        if host.capped and not host.fits(r.nbytes):
+        if not self.offload_leaves or not self.swap.host.fits(r.nbytes):
             return False
         r.compute_cost = 2 * r.nbytes / self.link_bandwidth  # out and back: Record.swap_cost twice
         return True

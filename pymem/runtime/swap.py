@@ -23,20 +23,19 @@ copy runs beside compute: a worker thread on the CPU device, a side stream on CU
 as evicted until it is adopted: when its copy is done (checked after each op) or when an op needs it
 (then the op waits for the copy). Under pressure, a copy in flight is the last thing given up.
 
-Copy out ahead (Capuchin's swap-out ahead of release, ZeRO-Offload's overlapped transfers): a
-copy out in compute's order (the compute stream, the calling thread) stalls compute for its whole
-time, at the moment memory is shortest. While the steps follow their plan, a value whose
-counterpart the step before offloaded (the same index of the step trace: csrc/step_trace.h,
-note_offload) may start its copy out as soon as it exists, beside compute (a second worker
-thread on the CPU device, a second side stream on CUDA: one queue per direction) while it stays
-resident. The copies wait in the order of the releases the step
-before made, the first expected first, and start while fewer than ``_OUT_QUEUE_BYTES`` are
-queued (a stream runs its copies in order: a copy wanted first must not wait behind the state of
-a whole optimizer). Its release then copies nothing, or waits only for the
-rest of that copy (the plan's early release of it happens once the copy is done); an op that
+Copy out ahead (Capuchin's swap-out ahead of release, ZeRO-Offload's overlapped transfers): a copy
+out in compute's order (the compute stream, the calling thread) stalls compute for its whole time,
+at the moment memory is shortest. While the steps follow their plan, a value whose counterpart the
+step before offloaded (the same index of the step trace: csrc/step_trace.h, note_offload) may start
+its copy out as soon as it exists, beside compute (a second worker thread on the CPU device, a
+second side stream on CUDA: one queue per direction) while it stays resident. The copies wait in
+the order of the releases the step before made, the first expected first, and start while fewer
+than ``_OUT_QUEUE_BYTES`` are queued (a stream runs its copies in order: a copy wanted first must
+not wait behind the state of a whole optimizer). Its release then copies nothing, or waits only for
+the rest of that copy (the plan's early release of it happens once the copy is done); an op that
 writes it in place waits for the copy first (run_op). The copy holds the value's storage, so its
-block is neither freed nor moved (compaction.movable_blocks) before the copy is done; the host
-copy is the record's once the copy is done (checked after each op).
+block is neither freed nor moved (compaction.movable_blocks) before the copy is done; the host copy
+is the record's once the copy is done (checked after each op).
 """
 import collections
 import concurrent.futures
@@ -150,7 +149,7 @@ class HostMemory:
         return self.pool.empty(nbytes)
 
     def fits(self, nbytes: int) -> bool:
-        return self.pool.fits(nbytes)
+        return not self.capped or self.pool.fits(nbytes)  # no call where every request fits
 
     def used_by_copy(self, buf: torch.Tensor, stream) -> None:
         """An async copy reading or writing ``buf`` was enqueued on ``stream``: its block is reused
@@ -314,8 +313,9 @@ class _CudaCopier(_CopyTimes):
     caught up, at each offload: under a budget the host could never run ahead. Out ahead: on a
     second side stream after the compute stream's work so far; the swapper holds the source
     storage until it is done, and the compute stream waits for it before anything frees or writes
-    that block. In, on demand: ordered before every reader by the compute stream. Prefetch: on a side stream after the compute stream's work so far; the
-    compute stream waits for it when the value is adopted. Each copy sits between two timing
+    that block. In, on demand: ordered before every reader by the compute stream. Prefetch: on a
+    side stream after the compute stream's work so far; the compute stream waits for it when the
+    value is adopted. Each copy sits between two timing
     events on its stream (start, done): ``start.elapsed_time(done)`` is the copy engine's time for
     it (``start`` completes when the work before it on the stream has, so that is not counted); a
     wait for a copy still running sits between two on the compute stream (how long compute stood

@@ -506,7 +506,7 @@ class Simulator:
     def _lowest(self) -> Optional[_Value]:
         return min((v for v in self.by_addr.values() if self._releasable(v)), key=self._release_key, default=None)
 
-    def _moves_cheaper(self, request: int, moved: int, movable: Dict[int, tuple]) -> bool:
+    def _moves_cheaper(self, request: int, moved: int, movable: List[int]) -> bool:
         """pressure._moves_cheaper: moving ``moved`` bytes costs less than the comebacks of the
         values released, lowest score first, until ``request`` fits (or until their bytes reach
         it, and the moves of the compaction after them)."""
@@ -514,7 +514,7 @@ class Simulator:
                        key=lambda av: self._release_key(av[1]))
 
         def then(freed: set) -> float:
-            after = self.arena.plan_moves(request, list(movable), list(freed))
+            after = self.arena.plan_moves(request, movable, list(freed))
             return math.inf if after is None else self._move_seconds(after[3])
         path = compaction_plan.release_path_seconds_in(self.arena, request, order, compaction_plan.comeback_seconds,
                                                        then)
@@ -571,12 +571,13 @@ class Simulator:
                 self._release(v)
         return True
 
-    def _compact(self, request: int, worth: Optional[Callable[[int, Dict[int, tuple]], bool]] = None) -> bool:
+    def _compact(self, request: int, worth: Optional[Callable[[int, List[int]], bool]] = None) -> bool:
         """compaction.compact_for: with ``worth``, by moves alone (the arena's plan_moves)."""
         movable = self._movable()
         if worth is not None:
-            chosen = self.arena.plan_moves(request, list(movable))
-            if chosen is None or not worth(chosen[3], movable):
+            addrs = list(movable)
+            chosen = self.arena.plan_moves(request, addrs)
+            if chosen is None or not worth(chosen[3], addrs):
                 return False
             _, moves, window, _ = chosen
             for old, new in moves:
