@@ -29,7 +29,7 @@ import time
 from .. import _C
 from ..policies import Planned, Policy, sample_candidates
 from ..compaction_plan import comeback_seconds, release_path_seconds_in
-from .compaction import MovableAddresses, compact_for
+from .compaction import compact_for
 
 _perf = time.perf_counter
 
@@ -121,7 +121,8 @@ class PressureHandler:
             rt.sweep()  # values whose last tensor died are freed already: count them as evicted
             # The free bytes cover it, only not in one block: slide them together first where the
             # moves cost less than the comeback of what a release would take.
-            if not self.uses_window and rt.arena.main_free_bytes >= request and self._compact_first(request):
+            if not self.uses_window and rt.arena.main_free_bytes >= request and \
+                    compact_for(rt, request, lambda moved, movable: self._moves_cheaper(request, moved, movable)):
                 return
         if self.uses_window:
             if not self._release_window(request) and not compact_for(rt, request):
@@ -134,26 +135,19 @@ class PressureHandler:
         elif not compact_for(rt, request):
             self._release_window(request)
 
-    def _compact_first(self, request: int) -> bool:
-        """Compact by moves alone where they cost less than releasing would: the comebacks of the
+    def _moves_cheaper(self, request: int, moved: int, movable: list) -> bool:
+        """Whether moving ``moved`` bytes costs less than what releasing would: the comebacks of the
         values released, lowest score first, until ``request`` fits, or where their bytes reach it
         first, those and the moves of the compaction that follows (one that gathers nearly all the
-        free bytes may move most of the arena, where a few releases leave it little to move). True
-        when it compacted. The releases are priced first: where they cost nothing (two questions
-        in three on Hugging Face GPT-2's test model under a plan: values read no more this step),
-        no move is cheaper, and none is planned."""
+        free bytes may move most of the arena, where a few releases leave it little to move)."""
         rt = self.rt
-        if not rt.can_compact:
-            return False
-        picture = MovableAddresses(rt)
+        order = self._release_order()
 
-        def then(freed: set) -> float:  # the same picture of the arena
-            after = rt.arena.plan_moves(request, picture.addresses, list(freed))
+        def then(freed: set) -> float:  # the arena is as compact_for's picture (movable) found it
+            after = rt.arena.plan_moves(request, movable, list(freed))
             return math.inf if after is None else rt.move_seconds(after[3])
-        path = release_path_seconds_in(rt.arena, request, self._release_order(), comeback_seconds, then)
-        if path == 0.0:
-            return False
-        return compact_for(rt, request, lambda moved: path is None or rt.move_seconds(moved) < path, picture)
+        path = release_path_seconds_in(rt.arena, request, order, comeback_seconds, then)
+        return path is None or rt.move_seconds(moved) < path
 
     def _release_order(self) -> list:
         """Every candidate as (address, record), in the order releases take them: lowest score
