@@ -3,6 +3,7 @@
 with HiGHS (``pip install highspy``; a bench-only dependency).
 
     python bench/milp_optimum.py [--json FILE] [--time-limit 120] [--traces mlp,gpt] [--ratios 0.8,0.6,0.5,0.4]
+        [--optima milp,release_only,release_only_main_region] [--policies dtr,dtr-chain,msps,lru,coop]
 
 The trace (pymem.sim) becomes Checkmate's graph: one node per op that makes fresh values (its
 outputs' bytes together, its cost on the GPU's rates), an edge from each value's producer to each op
@@ -473,6 +474,11 @@ def _described(key, opt):
     return f"{key} {opt['status']} recompute {opt['recompute'] * 1e3:.3f} ms{proven} ({opt['seconds']:.0f} s)"
 
 
+# --optima's names -> the keys the output gives each optimum
+OPTIMA = {"milp": "milp", "release_only": "milp_release_only",
+          "release_only_main_region": "milp_release_only_main_region"}
+
+
 def main(argv=None) -> int:
     import torch
 
@@ -488,7 +494,13 @@ def main(argv=None) -> int:
     ap.add_argument("--policies", default="dtr,dtr-chain,msps,lru,coop")
     ap.add_argument("--traces", default="mlp,gpt", help="which traces: mlp, gpt (comma-separated)")
     ap.add_argument("--ratios", default="0.8,0.6,0.5,0.4", help="budgets as shares of the trace's peak")
+    ap.add_argument("--optima", default=",".join(OPTIMA),
+                    help="which optima to solve (comma-separated): milp (Checkmate's), release_only (the whole budget), "
+                         "release_only_main_region; one long solve need not wait for the others")
     args = ap.parse_args(argv)
+    optima_asked = args.optima.split(",")
+    if not optima_asked or any(o not in OPTIMA for o in optima_asked):
+        ap.error(f"--optima takes {', '.join(OPTIMA)}, comma-separated; got {args.optima!r}")
     traces = args.traces.split(",")
     if not traces or any(t not in ("mlp", "gpt") for t in traces):
         ap.error(f"--traces takes mlp and/or gpt, comma-separated; got {args.traces!r}")
@@ -535,11 +547,12 @@ def main(argv=None) -> int:
         for ratio in ratios:
             budget = int(peak * ratio)
             main_region = budget - _C.Arena(budget // _C.ALIGNMENT * _C.ALIGNMENT, "virtual").small_region_size
-            optima = {"milp": solve(mem, cost, deps, recomp, keep, budget - constant, args.time_limit, freed),
-                      "milp_release_only": solve(mem, cost, deps, recomp, keep, budget - constant, args.time_limit,
-                                                 freed, release_only=True),
-                      "milp_release_only_main_region": solve(mem, cost, deps, recomp, keep, main_region - constant,
-                                                             args.time_limit, freed, release_only=True)}
+            solvers = {"milp": lambda: solve(mem, cost, deps, recomp, keep, budget - constant, args.time_limit, freed),
+                       "release_only": lambda: solve(mem, cost, deps, recomp, keep, budget - constant, args.time_limit,
+                                                     freed, release_only=True),
+                       "release_only_main_region": lambda: solve(mem, cost, deps, recomp, keep, main_region - constant,
+                                                                 args.time_limit, freed, release_only=True)}
+            optima = {OPTIMA[o]: solvers[o]() for o in optima_asked}
             row = dict(optima)
             # The bounds for steps far too long for the MILP, checked here against its optimum: never above it.
             step_dict = step_arrays(trace, seconds)
