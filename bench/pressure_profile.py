@@ -3,14 +3,16 @@ from cProfile over the last two of ``--steps`` steps. On a GPU this host time is
 for (bench/gpu_overhead.py); the CPU shows it without a GPU, every part but the copies and moves
 (which the GPU does asynchronously) costing about what it costs there.
 
-    python bench/pressure_profile.py [--model gpt2-small|tinygpt] [--ratio 0.33] [--offload delta]
+    python bench/pressure_profile.py [--model gpt2-small|test|tinygpt] [--ratio 0.33] [--offload delta]
         [--batch B] [--seq T] [--steps 8] [--cost estimate|measure] [--json FILE]
 
 gpt2-small: Hugging Face GPT-2 124M (random weights, eager attention) at batch 1 x 128 tokens by
-default; tinygpt: pymem.demo_models' TinyGPT at batch 16 x 256. The budget is ``--ratio`` of the
-unmanaged peak (every CPU tensor byte, measured first). Printed per step (ms, and calls): the
+default; test: the GPT-2 of bench/hf_checkpointing_bench.py's default (the tests' config, ~20 us
+ops; its checkpointed peak is 0.34 of its plain one); tinygpt: pymem.demo_models' TinyGPT at batch
+16 x 256. The budget is ``--ratio`` of the unmanaged peak (every CPU tensor byte, measured first). Printed per step (ms, and calls): the
 handler in all; its compaction attempts without the moves themselves (compact_for less the
-arena's moves); the moves (memmove on the CPU, queued copies on a GPU); releasing the lowest-scoring
+arena's moves); the moves (memmove on the CPU, queued copies on a GPU); pricing the releases that
+compacting first is weighed against (the release path, pressure.py); releasing the lowest-scoring
 value; and swap.after_op, which runs after every op while values are offloaded. Cumulative times
 under cProfile: its own overhead inflates Python, so compare builds with this script, not with
 wall-clock figures.
@@ -38,6 +40,7 @@ PARTS = {
     "compaction attempts": ("runtime/compaction.py", "compact_for"),
     "  of which moves (slide)": ("runtime/compaction.py", "_slide"),
     "  of which moves (one block)": ("~", "<built-in method pymem._C.move_block>"),
+    "  of which pricing the releases": ("runtime/pressure.py", "_moves_cheaper"),
     "release lowest": ("runtime/pressure.py", "_release_lowest"),
     "swap.after_op": ("runtime/swap.py", "after_op"),
 }
@@ -48,6 +51,9 @@ def make_trainer(a):
         from pymem.demo_models import gpt_trainer
         return lambda: gpt_trainer(batch=a.batch or 16, seq=a.seq or 256)
     import hf_checkpointing_bench as hb
+    if a.model == "test":
+        cfg = dict(model="test", batch=a.batch, seq=a.seq, attn="eager", device="cpu", checkpointing=None)
+        return lambda: hb.make_step(cfg)
     cfg = dict(model="gpt2-small", batch=a.batch or 1, seq=a.seq or 128, attn="eager", device="cpu",
                checkpointing=None)
     return lambda: hb.make_step(cfg)
@@ -71,7 +77,7 @@ def parts_of(stats: pstats.Stats, steps: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="gpt2-small", choices=("gpt2-small", "tinygpt"))
+    ap.add_argument("--model", default="gpt2-small", choices=("gpt2-small", "test", "tinygpt"))
     ap.add_argument("--ratio", type=float, default=0.33)
     ap.add_argument("--offload", default="delta")
     ap.add_argument("--batch", type=int)
