@@ -9,13 +9,13 @@ for (bench/gpu_overhead.py); the CPU shows it without a GPU, every part but the 
 gpt2-small: Hugging Face GPT-2 124M (random weights, eager attention) at batch 1 x 128 tokens by
 default; test: the GPT-2 of bench/hf_checkpointing_bench.py's default (the tests' config, ~20 us
 ops; its checkpointed peak is 0.34 of its plain one); tinygpt: pymem.demo_models' TinyGPT at batch
-16 x 256. The budget is ``--ratio`` of the unmanaged peak (every CPU tensor byte, measured first). Printed per step (ms, and calls): the
-handler in all; its compaction attempts without the moves themselves (compact_for less the
-arena's moves); the moves (memmove on the CPU, queued copies on a GPU); pricing the releases that
-compacting first is weighed against (the release path, pressure.py); releasing the lowest-scoring
-value; and swap.after_op, which runs after every op while values are offloaded. Cumulative times
-under cProfile: its own overhead inflates Python, so compare builds with this script, not with
-wall-clock figures.
+16 x 256. The budget is ``--ratio`` of the unmanaged peak (every CPU tensor byte, measured first).
+Printed per step (ms, and calls): the handler in all; its compaction attempts without the moves
+themselves (compact_for less the arena's moves); the moves (memmove on the CPU, queued copies on a
+GPU); pricing the releases that compacting first is weighed against (the release path,
+pressure.py); releasing the lowest-scoring value; and swap.after_op, which runs after every op
+while values are offloaded. Cumulative times under cProfile: its own overhead inflates Python, so
+compare builds with this script, not with wall-clock figures.
 """
 import argparse
 import cProfile
