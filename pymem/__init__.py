@@ -25,6 +25,7 @@ _EXPORTS = {
                      "reset_peak_memory_stats", "step", "step_trace", "unpin"], "api"),
     **dict.fromkeys(["Arena", "Block", "Victim", "Window"], "_C"),
     "OutOfBudgetError": "errors",
+    "RestoreMismatchError": "errors",
     "parse_budget": "budget",
 }
 
@@ -90,5 +91,5 @@ def cpu_hook_arena() -> Optional["Arena"]:
 __all__ = ["enable", "disable", "budget", "is_enabled", "current", "memory_stats", "memory_summary",
            "max_memory_allocated", "reset_peak_memory_stats", "parse_budget", "memory_snapshot", "dump_snapshot",
            "record_memory_history", "evict", "is_evicted", "pin", "unpin", "pinned", "manage_thread", "no_recompute",
-           "step", "step_trace", "Arena", "Block", "Victim", "Window", "OutOfBudgetError", "install_cpu_hook",
-           "uninstall_cpu_hook", "cpu_hook_arena", "__version__"]
+           "step", "step_trace", "Arena", "Block", "Victim", "Window", "OutOfBudgetError", "RestoreMismatchError",
+           "install_cpu_hook", "uninstall_cpu_hook", "cpu_hook_arena", "__version__"]

@@ -28,6 +28,7 @@ The variables:
   PYMEM_PLAN     ``auto`` (the default) or ``off``
   PYMEM_HOST_BUDGET  a cap on host memory for offloaded values ("64GB", "50%" of RAM; default none)
   PYMEM_OFFLOAD_LEAVES ``1`` or ``0``: offload values with no recipe (default: when offloading)
+  PYMEM_VERIFY   ``1`` or ``0`` (the default): check each released value as it comes back
   PYMEM_LOG      ``debug``, ``info``, ``warning`` or ``error``: pymem's log to stderr at that level
                  (at ``info``, a summary line when the program ends)
 
@@ -49,7 +50,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 VARIABLES = {"budget": "PYMEM_BUDGET", "policy": "PYMEM_POLICY", "device": "PYMEM_DEVICE",
              "allocator": "PYMEM_ALLOCATOR", "offload": "PYMEM_OFFLOAD", "prefetch": "PYMEM_PREFETCH",
              "plan": "PYMEM_PLAN", "host_budget": "PYMEM_HOST_BUDGET", "offload_leaves": "PYMEM_OFFLOAD_LEAVES",
-             "log": "PYMEM_LOG"}
+             "verify": "PYMEM_VERIFY", "log": "PYMEM_LOG"}
 
 
 def settings_from_env(environ: Mapping[str, str]) -> Dict[str, object]:
@@ -100,6 +101,7 @@ def check_settings(text: Mapping[str, Optional[str]], spelled: Callable[[str], s
     leaves = one_of("offload_leaves", ("0", "1"))  # None: by offload
     settings["offload_leaves"] = None if leaves is None else leaves == "1"
     settings["plan"] = one_of("plan", PLANS) or "auto"
+    settings["verify"] = (one_of("verify", ("0", "1")) or "0") == "1"
     level = given("log")
     if level is not None and level.lower() not in LOG_LEVELS:
         raise ValueError(f"{spelled('log')}={level!r} is not a log level; accepted: {', '.join(LOG_LEVELS)}")

@@ -32,7 +32,7 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
            allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
            prefetch: bool = True, plan: str = "auto", host_budget: Union[None, int, str] = None,
-           offload_leaves: Optional[bool] = None) -> Runtime:
+           offload_leaves: Optional[bool] = None, verify: bool = False) -> Runtime:
     """Keep every tensor allocated from now on inside ``budget``, evicting (recomputed on next use)
     or offloading (copied back) tensors under pressure; training gives bitwise the same results. Tensors that exist already stay where
     they are (outside the budget).
@@ -92,6 +92,10 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     when next used, weighed by the policy like any value at the cost of their copy. ``None`` (the
     default): whenever ``offload`` offloads anything (so by default on CUDA). A leaf the host pool
     has no room for stays.
+    verify: check every value pymem releases as it comes back, recomputed or copied back, against a
+    checksum taken when it left (``PYMEM_VERIFY=1``, ``pymem run --verify``): one that differs raises
+    ``pymem.RestoreMismatchError`` naming it, where training would otherwise go on with a wrong value.
+    A debugging aid: it reads each released value's bytes twice. Off by default.
 
     Enabling again with the same settings is a no-op; with different ones, a RuntimeError.
     """
@@ -100,25 +104,25 @@ def enable(budget: Union[int, str], policy: str = "dtr", device: Optional[str] =
     if allocator is None:
         allocator = "arena"
     check_choices(policy, allocator, sampling, cost, offload, prefetch, plan=plan,
-                  offload_leaves=offload_leaves)  # a typo first, by name
+                  offload_leaves=offload_leaves, verify=verify)  # a typo first, by name
     if isinstance(budget, str) and budget.strip().endswith("%") and device.startswith("cuda") and \
             not torch.cuda.is_available():
         check_device(device, allocator)  # says so, before "80%" would ask NVML for a GPU's memory
     nbytes = parse_budget(budget, device)
     host_nbytes = parse_host_budget(host_budget)
     settings = (nbytes, policy, device, allocator, sampling, cost, offload, prefetch, plan, host_nbytes,
-                offload_leaves)
+                offload_leaves, verify)
     if _current is not None:
         if settings == _settings:
             return _current
         names = ("budget", "policy", "device", "allocator", "sampling", "cost", "offload", "prefetch", "plan",
-                 "host_budget", "offload_leaves")
+                 "host_budget", "offload_leaves", "verify")
         raise RuntimeError(f"pymem is already enabled with {_describe(names, _settings)}; call pymem.disable() "
                            f"before enabling it with {_describe(names, settings)}")
     check_cuda_order(device, allocator)  # before the runtime looks at the device
     rt = Runtime(nbytes, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
                  offload=offload, prefetch=prefetch, plan=plan, host_budget=host_nbytes,
-                 offload_leaves=offload_leaves)
+                 offload_leaves=offload_leaves, verify=verify)
     rt.start()
     _current, _settings = rt, settings
     log.info("pymem enabled: budget %d B, policy %s, device %s, allocator %s", rt.budget, policy, device, allocator)
@@ -135,7 +139,7 @@ def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = 
            allocator: Optional[str] = None, sampling: bool = False,
            cost: Union[None, str, CostModel] = None, offload: Optional[str] = None,
            prefetch: bool = True, plan: str = "auto", host_budget: Union[None, int, str] = None,
-           offload_leaves: Optional[bool] = None) -> Iterator[Runtime]:
+           offload_leaves: Optional[bool] = None, verify: bool = False) -> Iterator[Runtime]:
     """``with pymem.budget("2GB"): ...`` — pymem enabled for the block only; on leaving it, every
     evicted tensor is restored and PyTorch's allocator is back. Not nestable inside ``enable``."""
     if _current is not None:
@@ -143,7 +147,7 @@ def budget(limit: Union[int, str], policy: str = "dtr", device: Optional[str] = 
                            "call pymem.disable() first")
     rt = enable(limit, policy=policy, device=device, allocator=allocator, sampling=sampling, cost=cost,
                 offload=offload, prefetch=prefetch, plan=plan, host_budget=host_budget,
-                offload_leaves=offload_leaves)
+                offload_leaves=offload_leaves, verify=verify)
     try:
         yield rt
     finally:
@@ -186,6 +190,7 @@ def memory_stats() -> dict:
     handler: choosing, releasing, compacting; copies out included), ``num_invalidations``, ``num_leaf_copies``,
     ``num_orphaned_leaves`` (inputs freed once only recipes held them, their readers made leaves),
     ``num_retries`` (ops run again after a refused allocation), ``num_records``,
+    ``num_verified_restores`` (values checked as they came back, under ``verify=True``),
     ``num_pinned_storages`` (shared outside torch, or pinned with ``pymem.pin``) and
     ``num_pins.numpy`` / ``.dlpack`` / ``.data_ptr`` / ``.cuda array interface`` / ``.shared memory`` /
     ``.user`` / ``.collective`` (pins made, by reason; the arena's ``pinned_bytes.current`` counts their

@@ -191,7 +191,8 @@ def cmd_run(args) -> int:
         return 2
     flags = {"budget": args.budget, "policy": args.policy, "device": args.device, "allocator": args.allocator,
              "offload": args.offload, "prefetch": "0" if args.no_prefetch else "1", "plan": args.plan,
-             "host_budget": args.host_budget, "offload_leaves": "0" if args.no_offload_leaves else None}
+             "host_budget": args.host_budget, "offload_leaves": "0" if args.no_offload_leaves else None,
+             "verify": "1" if args.verify else None}
     try:
         settings = _startup.check_settings(flags, lambda key: "--" + key.replace("_", "-"))
     except ValueError as e:
@@ -309,6 +310,8 @@ def main(argv=None) -> int:
                    help="never offload values with no recipe (gradients, optimizer state): see pymem.enable")
     r.add_argument("--host-budget", default=None,
                    help='cap on host memory for offloaded values, e.g. "64GB" or "50%%" of RAM (default: none)')
+    r.add_argument("--verify", action="store_true",
+                   help="check each value pymem releases as it comes back: a mismatch stops the program (see pymem.enable)")
     r.add_argument("script", nargs=argparse.REMAINDER, help="the script and its arguments (after --)")
     r.set_defaults(fn=cmd_run)
     t = sub.add_parser("trace", help="capture one training step on the meta device: pymem trace gpt2-xl --out step.npz")

@@ -19,3 +19,10 @@ class OutOfBudgetError(torch.OutOfMemoryError):
         for k in cls.FIGURES:
             setattr(err, k, getattr(cause, k, None))
         return err
+
+
+class RestoreMismatchError(RuntimeError):
+    """``verify=True``: a value pymem released came back (recomputed, or copied back) with other
+    bytes than it held when it left. Training would have gone on with a wrong value; pymem stops
+    there instead. Attributes: ``op`` (what made the value), ``nbytes``, ``how`` (``rematerialize``,
+    ``swap in``, ``prefetch``)."""

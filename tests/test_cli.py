@@ -54,6 +54,14 @@ def test_run_executes_the_script_under_pymem_and_prints_a_summary(tmp_path):
     assert evictions > 0
 
 
+def test_run_verify_checks_every_value_that_comes_back(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT + "import pymem\nprint('verified', pymem.memory_stats()['num_verified_restores'])\n")
+    p = run("run", "--budget", "3MiB", "--device", "cpu", "--verify", "--", str(script))
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "grad True" in p.stdout and int(p.stdout.split("verified")[1].split()[0]) > 0, p.stdout
+
+
 def test_run_with_the_native_allocator(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)

@@ -166,6 +166,7 @@ def test_log_variable_reports_enable_and_a_summary_at_exit():
     ("PYMEM_PLAN", "always", "PYMEM_PLAN='always' is not accepted; accepted: auto, off"),
     ("PYMEM_HOST_BUDGET", "lots", "PYMEM_HOST_BUDGET: host_budget 'lots' is not accepted"),
     ("PYMEM_OFFLOAD_LEAVES", "yes", "PYMEM_OFFLOAD_LEAVES='yes' is not accepted; accepted: 0, 1"),
+    ("PYMEM_VERIFY", "on", "PYMEM_VERIFY='on' is not accepted; accepted: 0, 1"),
 ])
 def test_malformed_variable_stops_the_program_before_it_starts(var, value, expected):
     env = {"PYMEM_BUDGET": "64MB", var: value}
@@ -179,11 +180,11 @@ def test_settings_from_env_accepts_every_budget_form_and_defaults():
     s = _startup.settings_from_env({"PYMEM_BUDGET": "1.5GiB"})
     assert s == {"budget": parse_budget("1.5GiB"), "policy": "dtr", "device": None, "allocator": None,
                  "offload": None, "prefetch": True, "plan": "auto", "host_budget": None, "offload_leaves": None,
-                 "log": None}
+                 "verify": False, "log": None}
     s = _startup.settings_from_env({"PYMEM_BUDGET": " 10% ", "PYMEM_DEVICE": "cpu", "PYMEM_POLICY": "coop",
                                     "PYMEM_ALLOCATOR": "native", "PYMEM_LOG": "DEBUG", "PYMEM_OFFLOAD": "always",
                                     "PYMEM_PREFETCH": "0", "PYMEM_PLAN": "off", "PYMEM_HOST_BUDGET": "50%",
-                                    "PYMEM_OFFLOAD_LEAVES": "0"})
+                                    "PYMEM_OFFLOAD_LEAVES": "0", "PYMEM_VERIFY": "1"})
     assert s == {"budget": "10%", "policy": "coop", "device": "cpu", "allocator": "native",
                  "offload": "always", "prefetch": False, "plan": "off", "host_budget": parse_budget("50%", "cpu"),
-                 "offload_leaves": False, "log": "debug"}
+                 "offload_leaves": False, "verify": True, "log": "debug"}

@@ -26,6 +26,7 @@ class Residency:
         self.swap = None  # the Swapper, when values may be offloaded
         self.offload_leaves = False  # values with no recipe may be released too (offloaded only)
         self.plan = None  # the step trace, when it plans each step from the last (Record.next_use)
+        self.verify = None  # verify=True: a RestoreCheck (verify.py) sees every release and return
         # Values recomputed only as inputs (no storage of their own): record -> (StorageRef, tensor).
         self.cache: Dict[Record, tuple] = {}
         self.neighbourhood = EvictedNeighbourhood()
@@ -75,6 +76,8 @@ class Residency:
         swap = self.swap
         if swap is not None:
             swap.settle_out(r)  # however r goes, a copy out ahead reads its buffer
+        if self.verify is not None:
+            self.verify.left(r, s)
         if r.recipe is None:
             if swap is None or not swap.copy_out(r, s):
                 raise OutOfBudgetError(
@@ -119,6 +122,8 @@ class Residency:
     def bring_back(self, r: Record, tensor, now: float, how: str = "rematerialize") -> None:
         """r's value is in ``tensor`` (recomputed, or copied back): moved into r's own storage if a
         tensor still holds it, else kept in the cache for the recipes that read it."""
+        if self.verify is not None:
+            self.verify.back(r, tensor, how)
         if self.plan is not None:
             self.plan.note_back(r)  # a recompute's input back early: the plan does not release it early
         sref = r.sref
@@ -177,4 +182,5 @@ class Residency:
             "evicted_bytes": self.evicted_bytes,
             "num_rematerializations": self.num_rematerializations,
             "remat_seconds": self.remat_seconds,
+            "num_verified_restores": self.verify.num_verified if self.verify is not None else 0,
         }

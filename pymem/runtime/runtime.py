@@ -26,6 +26,7 @@ from .raw_access import RawAccess
 from .threads import ThreadCoverage
 from .records import ArgRef, Recipe, Record, Slot
 from .residency import Residency
+from .verify import RestoreCheck
 from .swap import NO_SWAP_STATS, Swapper
 
 _Tensor = torch.Tensor
@@ -114,7 +115,8 @@ class Runtime(_C.RuntimeBase):
     def __init__(self, budget: int, policy="dtr", device: str = "cpu", allocator: str = "arena",
                  sampling: bool = False, cost=None, hook=None, offload=None, prefetch: bool = True,
                  link_bandwidth: Optional[float] = None, plan: str = "auto",
-                 host_budget: Optional[int] = None, offload_leaves: Optional[bool] = None) -> None:
+                 host_budget: Optional[int] = None, offload_leaves: Optional[bool] = None,
+                 verify: bool = False) -> None:
         """``hook``: how the arena becomes PyTorch's allocator (``hooks.py``); by default the CPU
         hook on the CPU and libpymem_cuda.so on CUDA. ``offload``: a director's name
         (``pymem.policies.director_names()``) or a Director; default ``"delta"`` on CUDA and
@@ -122,7 +124,7 @@ class Runtime(_C.RuntimeBase):
         ``link_bandwidth``: bytes per second of a copy to or from host memory (default: timed once
         per process). ``host_budget``: bytes the host pool may hold for offloaded values (None: no cap)."""
         conf = _settings.check(budget, policy, device, allocator, sampling, cost, offload, prefetch,
-                               link_bandwidth, plan, host_budget, offload_leaves)
+                               link_bandwidth, plan, host_budget, offload_leaves, verify)
         self.settings = conf
         self.device = conf.device
         # plan="auto": the policy's choice under pressure follows the step plan where it can say
@@ -167,6 +169,8 @@ class Runtime(_C.RuntimeBase):
                                 headroom=budget // 8, host_budget=conf.host_budget)
         self.residency.swap = self.swap
         self.residency.offload_leaves = conf.offload_leaves and self.swap is not None
+        if conf.verify:
+            self.residency.verify = RestoreCheck(self.device)
         # Inputs (records, or leaf tensors) of the kernels running now, innermost last: a kernel may
         # hold their addresses, so compaction leaves them where they are. Locks only stop release.
         self.running: List[list] = []

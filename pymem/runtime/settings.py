@@ -35,6 +35,7 @@ class Settings:
     plan: str = "auto"                # one of PLANS
     host_budget: Optional[int] = None # cap on the host pool's bytes (offloaded values); None: none
     offload_leaves: bool = False      # values with no recipe (gradients, optimizer state) offloadable
+    verify: bool = False              # every value released is checked as it comes back (verify.py)
 
     @property
     def on_cuda(self) -> bool:
@@ -61,7 +62,8 @@ def check_device(device, allocator: str) -> torch.device:
 
 
 def check_choices(policy="dtr", allocator: str = "arena", sampling: bool = False, cost=None, offload=None,
-                  prefetch: bool = True, link_bandwidth=None, plan: str = "auto", offload_leaves=None) -> None:
+                  prefetch: bool = True, link_bandwidth=None, plan: str = "auto", offload_leaves=None,
+                  verify: bool = False) -> None:
     """Every setting but the budget and the device, which need the device looked at (and on CUDA that
     must wait for pymem.enable's check of CUDA's initialisation order): a ValueError that names the
     bad one and what is accepted."""
@@ -79,6 +81,8 @@ def check_choices(policy="dtr", allocator: str = "arena", sampling: bool = False
         raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
     if plan not in PLANS:
         raise ValueError(f"plan {plan!r} is not accepted; accepted: {_accepted(PLANS)}")
+    if not isinstance(verify, bool):
+        raise ValueError(f"verify must be True or False, got {verify!r}")
     if offload_leaves is not None and not isinstance(offload_leaves, bool):
         raise ValueError(f"offload_leaves must be None (by offload), True or False, got {offload_leaves!r}")
     if link_bandwidth is not None and not (isinstance(link_bandwidth, (int, float)) and link_bandwidth > 0):
@@ -105,12 +109,12 @@ def check_intercept() -> str:
 
 def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sampling: bool = False,
           cost=None, offload=None, prefetch: bool = True, link_bandwidth=None, plan: str = "auto",
-          host_budget: Optional[int] = None, offload_leaves: Optional[bool] = None) -> Settings:
+          host_budget: Optional[int] = None, offload_leaves: Optional[bool] = None, verify: bool = False) -> Settings:
     """Settings from ``pymem.enable``'s arguments (the budget already in bytes), or a ValueError that
     names the bad one and what is accepted. ``policy`` / ``offload``: a name or an instance; ``cost``
     and ``offload`` None: by device (measured and never on the CPU, estimate and delta on CUDA)."""
     policy = policy if isinstance(policy, Policy) else get_policy(policy)
-    check_choices(policy, allocator, sampling, cost, offload, prefetch, link_bandwidth, plan, offload_leaves)
+    check_choices(policy, allocator, sampling, cost, offload, prefetch, link_bandwidth, plan, offload_leaves, verify)
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
         raise ValueError(f"budget must be a positive int of bytes here, got {budget!r}")
     if host_budget is not None and (not isinstance(host_budget, int) or isinstance(host_budget, bool) or host_budget <= 0):
@@ -131,4 +135,4 @@ def check(budget: int, policy="dtr", device="cpu", allocator: str = "arena", sam
                     prefetch=prefetch, sampling=sampling, cost=cost,
                     link_bandwidth=float(link_bandwidth) if link_bandwidth else None,
                     intercept=check_intercept(), plan=plan, host_budget=host_budget,
-                    offload_leaves=offload_leaves)
+                    offload_leaves=offload_leaves, verify=verify)
