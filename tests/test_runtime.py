@@ -132,7 +132,7 @@ def test_enable_errors(managed):
     rt = pymem.enable(MiB)
     assert pymem.enable("1MiB") is rt  # the same settings: a no-op
     with pytest.raises(RuntimeError, match=r"already enabled with budget=1048576 B, policy='dtr', device='cpu', "
-                                           r"allocator='arena', sampling=False, cost=None, offload=None, prefetch=True, plan='auto', host_budget=None, offload_leaves=None; call pymem.disable\(\) before "
+                                           r"allocator='arena', sampling=False, cost=None, offload=None, prefetch=True, plan='auto', host_budget=None, offload_leaves=None, verify=False; call pymem.disable\(\) before "
                                            r"enabling it with budget=2097152 B"):
         pymem.enable(2 * MiB)
     assert pymem.is_enabled()
