@@ -11,6 +11,7 @@ differs from 0.0.
 """
 import contextlib
 import gc
+import os
 import signal
 import time
 
@@ -98,6 +99,8 @@ def run_managed(make, steps: int, budget: int, limit_s: float = 60.0, after=None
     cloned under pymem, memory_stats() before disable, seconds of the steps after the first
     ``untimed``, ``after(step)``'s result if given (called under pymem after the steps)). pymem is
     disabled whatever happens."""
+    if os.environ.get("PYMEM_VERIFY") == "1":  # bench/stress_bitwise.py: every return checked
+        options.setdefault("verify", True)
     pymem.enable(budget=budget, device="cpu", **options)
     try:
         with deadline(limit_s, f"{steps} steps under {budget} B"):
