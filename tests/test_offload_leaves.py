@@ -141,13 +141,16 @@ def _no_cycle_collection():
 
 
 def _managed_below_the_floor(make, steps, budget, ref_out, ref_state):
-    # Fixed op costs: the same decisions on every run, as far as the costs go.
+    # Fixed op costs: the same decisions on every run, as far as the costs go (which copies are done
+    # when an op looks still varies). Every value that comes back is verified (verify=True): a wrong
+    # one fails the run where it happens, naming it.
     with pytest.raises(pymem.OutOfBudgetError):
         run_managed(make, steps, budget, offload="never", cost=_FIXED)
-    out, state, stats, _, _ = run_managed(make, steps, budget, offload="always", cost=_FIXED)
+    out, state, stats, _, _ = run_managed(make, steps, budget, offload="always", cost=_FIXED, verify=True)
     assert_bitwise_equal("outputs", ref_out, out)
     assert_bitwise_equal("parameters", ref_state, state)
     assert stats["allocated_bytes.peak"] <= budget and stats["num_leaf_offloads"] > 0, stats
+    assert stats["num_verified_restores"] > 0, stats
     return stats
 
 
