@@ -27,6 +27,9 @@ def checksum(sref, nbytes: int, device: torch.device) -> int:
 
 
 class RestoreCheck:
+    """The checksums of the values released and not yet back, by record (weakly: a value no one
+    needs any more takes its checksum with it)."""
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.sums: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # record -> CRC when released
