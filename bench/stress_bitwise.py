@@ -52,7 +52,7 @@ def main() -> int:
         ap.error("--copies and --rounds must be at least 1")
     os.makedirs(args.logs, exist_ok=True)
     env = dict(os.environ, PYMEM_VERIFY="0" if args.no_verify else "1")
-    counts = {k: 0 for k in ["passed", "mismatch", "wrong result", "timeout", "out of budget", "other"]}
+    counts = dict.fromkeys(["passed", *(kind for kind, _ in KINDS), "other"], 0)
     kept = []
     t0 = time.time()
     for rnd in range(1, args.rounds + 1):
