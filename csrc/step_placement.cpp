@@ -2,6 +2,7 @@
 #include "step_placement.h"
 
 #include <algorithm>
+#include <functional>
 #include <numeric>
 
 namespace pymem {
@@ -75,31 +76,81 @@ void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) 
   std::sort(placed.begin(), placed.end(), [](const Span& a, const Span& b) { return a.offset < b.offset; });
 
   const size_t n = now_.size.size() <= kMaxPlanned ? now_.size.size() : 0;  // too long a step: no plan
+  auto lifetime = [&](size_t k) {
+    return std::make_pair(now_.allocated_at[k], now_.freed_at[k] >= 0 ? now_.freed_at[k] : kNever);
+  };
+  // Each block of `order` at the lowest offset that no block placed before it covers over its
+  // lifetime (first fit), into `spans` (in offset order); `plan` gets the offsets. Returns the
+  // bytes that fit nowhere (best fit decides those in the next step).
+  auto pack = [&](const std::vector<size_t>& order, std::vector<int64_t>& plan, std::vector<Span>& spans) {
+    plan.assign(n, -1);
+    size_t left = 0;
+    for (const size_t k : order) {
+      const size_t size = now_.size[k];
+      const auto [from, to] = lifetime(k);
+      size_t cursor = 0;  // the lowest offset no block seen so far covers at [from, to)
+      size_t at = spans.size();  // where the new span goes in offset order
+      for (size_t i = 0; i < spans.size(); ++i) {
+        const Span& p = spans[i];
+        if (!p.meets(from, to)) continue;
+        if (p.offset >= cursor + size) {
+          at = i;
+          break;
+        }
+        cursor = std::max(cursor, p.offset + p.size);
+      }
+      if (cursor + size > region_size) {
+        left += size;
+        continue;
+      }
+      plan[k] = static_cast<int64_t>(cursor);
+      while (at > 0 && spans[at - 1].offset > cursor) --at;  // keep offset order (at may lie past cursor)
+      spans.insert(spans.begin() + at, {cursor, size, from, to, static_cast<int64_t>(k)});
+    }
+    return left;
+  };
+  // Largest first, then earliest: the static planners' order (TFLite's, XLA's). Where that leaves
+  // blocks without an offset (a tight budget's profile fills the region), another order may pack
+  // the same lifetimes whole, and the first that does is kept: a block without an offset lands in
+  // a hole of the plan's by best fit and compaction moves what it scattered, step after step
+  // (tests/test_step_placement.py). A partial packing of another order is no surer than the first:
+  // kept where it left fewer bytes out, it moved more on two of bench/plan_ways.py's eight budgets.
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), size_t(0));
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {  // largest first, then earliest
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return now_.size[a] != now_.size[b] ? now_.size[a] > now_.size[b] : now_.allocated_at[a] < now_.allocated_at[b];
   });
-  plan_.assign(n, -1);
-  for (const size_t k : order) {
-    const size_t size = now_.size[k];
-    const int64_t from = now_.allocated_at[k], to = now_.freed_at[k] >= 0 ? now_.freed_at[k] : kNever;
-    size_t cursor = 0;  // the lowest offset no block seen so far covers at [from, to)
-    size_t at = placed.size();  // where the new span goes in offset order
-    for (size_t i = 0; i < placed.size(); ++i) {
-      const Span& p = placed[i];
-      if (!p.meets(from, to)) continue;
-      if (p.offset >= cursor + size) {
-        at = i;
+  std::vector<Span> best_spans = placed;
+  if (pack(order, plan_, best_spans) > 0) {
+    const int64_t end = clock_;  // a block that outlives the step lasts to its end, for these orders
+    auto span_of = [&](size_t k) {
+      const auto [from, to] = lifetime(k);
+      return (to == kNever ? end : to) - from;
+    };
+    using Key = std::function<bool(size_t, size_t)>;
+    const Key others[] = {
+        [&](size_t a, size_t b) {  // longest lived first: they pin the offsets the rest pack around
+          return span_of(a) != span_of(b) ? span_of(a) > span_of(b) : now_.size[a] > now_.size[b];
+        },
+        [&](size_t a, size_t b) {  // most bytes x clock first
+          const double x = static_cast<double>(now_.size[a]) * static_cast<double>(span_of(a));
+          const double y = static_cast<double>(now_.size[b]) * static_cast<double>(span_of(b));
+          return x != y ? x > y : a < b;
+        },
+        [&](size_t a, size_t b) { return a < b; },  // in allocation order: stack-like lifetimes nest
+    };
+    std::vector<int64_t> plan;
+    for (const Key& key : others) {
+      std::sort(order.begin(), order.end(), key);
+      std::vector<Span> spans = placed;
+      if (pack(order, plan, spans) == 0) {
+        plan_.swap(plan);
+        best_spans.swap(spans);
         break;
       }
-      cursor = std::max(cursor, p.offset + p.size);
     }
-    if (cursor + size > region_size) continue;  // does not fit beside the rest: best fit decides
-    plan_[k] = static_cast<int64_t>(cursor);
-    while (at > 0 && placed[at - 1].offset > cursor) --at;  // keep offset order (at may lie past cursor)
-    placed.insert(placed.begin() + at, {cursor, size, from, to, static_cast<int64_t>(k)});
   }
+  placed.swap(best_spans);
   plan_size_ = n ? now_.size : std::vector<size_t>();
   spans_ = std::move(placed);
   span_of_.assign(n, -1);

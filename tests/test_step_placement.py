@@ -66,6 +66,30 @@ def test_a_repeated_step_moves_nothing_after_the_first():
     assert stats["num_placed_as_planned"] == 3 * 4 and stats["num_displaced_from_plan"] == 0
 
 
+def test_lifetimes_that_largest_first_cannot_pack_are_packed_in_another_order():
+    """a (2 MiB) lives while b (3 MiB) comes and goes, then c and d (2 MiB each) overlap a's end, in
+    6 MiB. Largest first puts b at 0, a above it at 3, c at 0 and leaves d no offset (5 + 2 > 6):
+    best fit then finds 2 MiB free in two holes and compaction moves, step after step. In the
+    order they were allocated all four fit (a 0, b 2, c 2, d 4): the plan takes that order, and the
+    repeated step moves nothing."""
+    a, live = _compacting_arena(6 * MiB, True)
+    moved = []
+    for _ in range(4):
+        before = a.stats()["moved_bytes"]
+        x, y = a.allocate(2 * MiB), a.allocate(3 * MiB)
+        a.free(y)
+        z, w = a.allocate(2 * MiB), a.allocate(2 * MiB)
+        for addr in (x, z, w):
+            a.free(addr)
+        a.end_step()
+        moved.append(a.stats()["moved_bytes"] - before)
+        offsets, sizes = a.step_placement_plan()
+        assert list(sizes) == [2 * MiB, 3 * MiB, 2 * MiB, 2 * MiB]
+        assert -1 not in list(offsets)  # every block of the next step has its place
+    assert moved[1:] == [0, 0, 0]
+    assert a.stats()["num_displaced_from_plan"] == 0
+
+
 def test_a_block_that_outlives_its_step_is_planned_around_its_successor():
     """g (a gradient) is made late in a step and freed early in the next, before the next g: the
     plan puts the next g where the last one was, not beside it."""
