@@ -16,9 +16,10 @@
 // lowest offset no time-overlapping placed block covers; one that would pass the region's end gets
 // no offset. Where some get none, the same first fit is tried in three more orders (longest lived
 // first, most bytes x clock first, allocation order: which order packs a full region turns on the
-// lifetimes), and the first that gives every block an offset is the plan. In the next step, allocation k takes its planned offset when that range is free. When
-// it is not, a block of this step outlived its counterpart of the step before (the step before's
-// pressure released it there, or compaction moved it): allocation k is displaced. It then goes to
+// lifetimes), and the first that gives every block an offset is the plan. In the next step,
+// allocation k takes its planned offset when that range is free. When it is not, a block of this
+// step outlived its counterpart of the step before (the step before's pressure released it there,
+// or compaction moved it): allocation k is displaced. It then goes to
 // the lowest free range that no planned block whose lifetime meets k's covers (the plan's room for
 // it elsewhere), or where there is none, by best fit; the step goes on with its plan. Why not best
 // fit for the rest of the step, as before: a displacement recurs every step (each step's pressure

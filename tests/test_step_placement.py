@@ -67,20 +67,21 @@ def test_a_repeated_step_moves_nothing_after_the_first():
 
 
 def test_lifetimes_that_largest_first_cannot_pack_are_packed_in_another_order():
-    """a (2 MiB) lives while b (3 MiB) comes and goes, then c and d (2 MiB each) overlap a's end, in
-    6 MiB. Largest first puts b at 0, a above it at 3, c at 0 and leaves d no offset (5 + 2 > 6):
-    best fit then finds 2 MiB free in two holes and compaction moves, step after step. In the
-    order they were allocated all four fit (a 0, b 2, c 2, d 4): the plan takes that order, and the
+    """x (2 MiB) lives while y (3 MiB) comes and goes, then z and w (2 MiB each) overlap x's end, in
+    6 MiB. Largest first puts y at 0, x above it at 3, z at 0 and leaves w no offset (5 + 2 > 6):
+    best fit then finds w's 2 MiB free in two holes, and compaction moves 4 MiB every step. In the
+    order they were allocated all four fit (x 0, y 2, z 2, w 4): the plan takes that order, and the
     repeated step moves nothing."""
     a, live = _compacting_arena(6 * MiB, True)
     moved = []
     for _ in range(4):
         before = a.stats()["moved_bytes"]
-        x, y = a.allocate(2 * MiB), a.allocate(3 * MiB)
-        a.free(y)
-        z, w = a.allocate(2 * MiB), a.allocate(2 * MiB)
-        for addr in (x, z, w):
-            a.free(addr)
+        live["x"], live["y"] = a.allocate(2 * MiB), a.allocate(3 * MiB)
+        a.free(live.pop("y"))
+        live["z"] = a.allocate(2 * MiB)
+        live["w"] = a.allocate(2 * MiB)
+        for name in "xzw":
+            a.free(live.pop(name))
         a.end_step()
         moved.append(a.stats()["moved_bytes"] - before)
         offsets, sizes = a.step_placement_plan()
