@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <iterator>
 #include <numeric>
 
 namespace pymem {
@@ -120,8 +121,9 @@ void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) 
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
     return now_.size[a] != now_.size[b] ? now_.size[a] > now_.size[b] : now_.allocated_at[a] < now_.allocated_at[b];
   });
-  std::vector<Span> best_spans = placed;
-  if (pack(order, plan_, best_spans) > 0) {
+  if (pack(order, plan_, placed) > 0) {
+    std::vector<Span> obstacles;  // what the step ended with (index -1), in offset order, for the retries
+    std::copy_if(placed.begin(), placed.end(), std::back_inserter(obstacles), [](const Span& p) { return p.index < 0; });
     const int64_t end = clock_;  // a block that outlives the step lasts to its end, for these orders
     auto span_of = [&](size_t k) {
       const auto [from, to] = lifetime(k);
@@ -142,15 +144,14 @@ void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) 
     std::vector<int64_t> plan;
     for (const Key& key : others) {
       std::sort(order.begin(), order.end(), key);
-      std::vector<Span> spans = placed;
+      std::vector<Span> spans = obstacles;
       if (pack(order, plan, spans) == 0) {
         plan_.swap(plan);
-        best_spans.swap(spans);
+        placed.swap(spans);
         break;
       }
     }
   }
-  placed.swap(best_spans);
   plan_size_ = n ? now_.size : std::vector<size_t>();
   spans_ = std::move(placed);
   span_of_.assign(n, -1);
