@@ -13,6 +13,8 @@ void PlanChoice::reset() {
     next_sit_out_[w] = 1;
   }
   streak_ = 0;
+  probe_every_ = kProbeEvery;
+  last_best_ = -1;
   probe_ = 0;
   probing_ = -1;
   probe_left_ = 0;
@@ -50,6 +52,9 @@ void PlanChoice::measured(Releases ran, double comeback, double moves) {
   ++measured_steps_[w];
   if (probing_ != w || --probe_left_ > 0) return;  // a probe's first step: its second measures the way
   probing_ = -1;
+  // A probe that loses waits twice as long for the next turn; one that takes over (or anything
+  // else that changes the cheapest, next()) brings the turns back to every kProbeEvery steps.
+  probe_every_ = cheapest() == w ? kProbeEvery : std::min(2 * probe_every_, kMaxProbeEvery);
   if (cost > kFar * latest_cost_[cheapest(w)]) {  // far behind still: probed less often
     sit_out_[w] = next_sit_out_[w];
     next_sit_out_[w] = std::min(2 * next_sit_out_[w], kMaxSitOut);
@@ -71,7 +76,12 @@ PlanChoice::Releases PlanChoice::next(bool cover_allowed) {
   for (int w = 0; w < kWays; ++w)  // the trials, in the order of Releases
     if (measured_steps_[w] < kTrialsEach) return static_cast<Releases>(w);
   const int best = cheapest();
-  if (streak_ < kProbeEvery) {
+  if (best != last_best_) {  // a new cheapest: its first probe turn kProbeEvery steps on
+    probe_every_ = kProbeEvery;
+    streak_ = 0;
+    last_best_ = best;
+  }
+  if (streak_ < probe_every_) {
     ++streak_;
     return static_cast<Releases>(best);
   }

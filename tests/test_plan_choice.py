@@ -2,6 +2,8 @@
 csrc/plan_cover.h), belady (next uses only) or greedy (the policy alone), by the memory work the
 steps that followed each cost; and the learned plan's releases as ``_C.learned_releases`` gives
 them to the simulator (csrc/step_plan.h)."""
+import itertools
+
 import pytest
 
 import pymem
@@ -21,17 +23,53 @@ def _choices(costs, steps=len(TRIALS) + 6, cover_allowed=True):
     return out
 
 
-def test_each_way_is_tried_twice_then_the_cheapest_runs_with_two_steps_of_another_every_five():
+def _runs(ways):
+    """[(way, steps in a row)] of a sequence of ways."""
+    return [(w, len(list(g))) for w, g in itertools.groupby(ways)]
+
+
+def test_each_way_is_tried_twice_then_the_cheapest_runs_with_probes_of_the_others_ever_further_apart():
+    """Two steps of another way after five of the cheapest; each probe that loses doubles the wait
+    for the next turn, up to 64 steps (a probe and the step back after it move what the other way
+    left: they carried the mean moves at 0.3 of the peak, bench/plan_ways.py)."""
     assert pymem._C.PlanChoice.TRIAL_STEPS == len(TRIALS)
     costs = {"learned": 1.2, "cover": 1.3, "rebuild": 1.35, "belady": 1.4, "greedy": 1.0}
     # The probes measure the other ways in turn (the cheapest skipped), two steps each: the second
     # follows a step run the same way.
-    assert _choices(costs, steps=len(TRIALS) + 34) == \
-        TRIALS + ["greedy"] * 5 + ["learned"] * 2 + ["greedy"] * 5 + ["cover"] * 2 + ["greedy"] * 5 + \
-        ["rebuild"] * 2 + ["greedy"] * 5 + ["belady"] * 2 + ["greedy"] * 5 + ["learned"]
+    got = _choices(costs, steps=len(TRIALS) + 400)
+    assert got[:len(TRIALS)] == TRIALS
+    assert _runs(got[len(TRIALS):]) == [
+        ("greedy", 5), ("learned", 2), ("greedy", 10), ("cover", 2), ("greedy", 20), ("rebuild", 2),
+        ("greedy", 40), ("belady", 2), ("greedy", 64), ("learned", 2), ("greedy", 64), ("cover", 2),
+        ("greedy", 64), ("rebuild", 2), ("greedy", 64), ("belady", 2), ("greedy", 53)]
     for cheapest in WAYS:
         costs = {w: 1.0 if w == cheapest else 1.2 for w in WAYS}
         assert _choices(costs)[len(TRIALS):len(TRIALS) + 5] == [cheapest] * 5
+
+
+def test_a_change_of_the_cheapest_brings_the_probes_back_to_every_five_steps():
+    """The program got cheaper to run another way: the probe that finds it takes over, and the
+    turns after it come every five steps again, as they do when the cheapest's own measure rises
+    over another's."""
+    costs = {"learned": 1.2, "cover": 1.3, "rebuild": 1.35, "belady": 1.4, "greedy": 1.0}
+    c, seen = pymem._C.PlanChoice(), []
+    for _ in range(len(TRIALS) + 5 + 2 + 10 + 2):  # probes of learned, then of cover (both lose)
+        how = c.next(True)
+        seen.append(how)
+        c.measured(how, costs[how])
+    costs["rebuild"] = 0.8
+    for _ in range(20 + 2 + 5 + 2):
+        how = c.next(True)
+        seen.append(how)
+        c.measured(how, costs[how])
+    assert _runs(seen[len(TRIALS):]) == [("greedy", 5), ("learned", 2), ("greedy", 10), ("cover", 2),
+                                          ("greedy", 20), ("rebuild", 7), ("belady", 2)]
+    costs["rebuild"] = 2.0  # its own steps got dearer: greedy again, probed every five steps
+    for _ in range(1 + 1 + 5 + 2):
+        how = c.next(True)
+        seen.append(how)
+        c.measured(how, costs[how])
+    assert _runs(seen[len(TRIALS) + 5 + 2 + 10 + 2 + 20 + 7 + 2:]) == [("rebuild", 2), ("greedy", 5), ("learned", 2)]
 
 
 def test_only_a_step_after_one_run_the_same_way_updates_its_measure():
@@ -68,34 +106,42 @@ def test_a_ways_moves_count_by_their_mean_over_its_last_three_steady_steps():
     assert c.next(True) == "learned"
 
 
+def _probes(ways):
+    """The probes past the trials of a run whose cheapest way is greedy: [(way, steps)]."""
+    return [(w, n) for w, n in _runs(ways[len(TRIALS):]) if w != "greedy"]
+
+
 def test_a_way_far_behind_sits_out_probe_turns_twice_as_many_each_time():
     """A probe measuring over 1.5x the cheapest: its way sits out its next turn, then two, four,
     up to eight; one measuring near brings it back to every turn."""
     costs = {"learned": 1.2, "cover": 1.3, "rebuild": 1.3, "belady": 1.4, "greedy": 1.0}
-    got = _choices(dict(costs, belady=1.6), steps=len(TRIALS) + 7 * 15)[len(TRIALS):]
-    probes = [w for i, w in enumerate(got) if i % 7 == 5]
-    assert all(got[i + 1] == w for i, w in enumerate(got) if i % 7 == 5)  # two steps each
+    probes = _probes(_choices(dict(costs, belady=1.6), steps=len(TRIALS) + 1000))
+    assert all(n == 2 for _, n in probes)  # two steps each
     # belady's turns: probed (far), sits out 1, probed (far), sits out 2, probed, sits out 4 ...
-    assert probes == ["learned", "cover", "rebuild", "belady", "learned", "cover", "rebuild", "learned", "cover",
-                      "rebuild", "belady", "learned", "cover", "rebuild", "learned"]
+    assert [w for w, _ in probes[:15]] == ["learned", "cover", "rebuild", "belady", "learned", "cover", "rebuild",
+                                           "learned", "cover", "rebuild", "belady", "learned", "cover", "rebuild",
+                                           "learned"]
     c = pymem._C.PlanChoice()
     way_costs = dict(costs, belady=1.6)
     seen = []
-    for step in range(len(TRIALS) + 7 * 12):
+    for step in range(len(TRIALS) + 800):
         how = c.next(True)
         if how == "belady" and step >= len(TRIALS):
             way_costs["belady"] = 1.1  # the program changed its mind: near again
         seen.append(how)
         c.measured(how, way_costs[how])
-    tail = [w for i, w in enumerate(seen[len(TRIALS):]) if i % 7 == 5]
-    assert tail[:8] == ["learned", "cover", "rebuild", "belady", "learned", "cover", "rebuild", "belady"]
+    assert [w for w, _ in _probes(seen)[:8]] == ["learned", "cover", "rebuild", "belady",
+                                                 "learned", "cover", "rebuild", "belady"]
 
 
 def test_every_other_way_sitting_out_leaves_the_cheapest_running():
     costs = {"learned": 3.0, "cover": 3.0, "rebuild": 3.0, "belady": 3.0, "greedy": 1.0}
-    got = _choices(costs, steps=len(TRIALS) + 34)[len(TRIALS):]
-    assert got == ["greedy"] * 5 + ["learned"] * 2 + ["greedy"] * 5 + ["cover"] * 2 + ["greedy"] * 5 + \
-        ["rebuild"] * 2 + ["greedy"] * 5 + ["belady"] * 2 + ["greedy"] * 6  # each sits its next turn out: no probe
+    got = _choices(costs, steps=len(TRIALS) + 300)[len(TRIALS):]
+    # Each sits its next turn out: the turn 64 steps after belady's probe probes nothing, the one
+    # after it (64 steps on) probes learned again.
+    assert _runs(got) == [("greedy", 5), ("learned", 2), ("greedy", 10), ("cover", 2), ("greedy", 20),
+                          ("rebuild", 2), ("greedy", 40), ("belady", 2), ("greedy", 64 + 1 + 64),
+                          ("learned", 2), ("greedy", 64), ("cover", 2), ("greedy", 20)]
 
 
 def test_a_probe_whose_first_step_left_its_plan_is_given_up():
