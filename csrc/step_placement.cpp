@@ -81,9 +81,11 @@ void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) 
     return std::make_pair(now_.allocated_at[k], now_.freed_at[k] >= 0 ? now_.freed_at[k] : kNever);
   };
   // Each block of `order` at the lowest offset that no block placed before it covers over its
-  // lifetime (first fit), into `spans` (in offset order); `plan` gets the offsets. Returns the
-  // bytes that fit nowhere (best fit decides those in the next step).
-  auto pack = [&](const std::vector<size_t>& order, std::vector<int64_t>& plan, std::vector<Span>& spans) {
+  // lifetime (first fit), or with `best_fit` at the start of the smallest such gap (one no larger
+  // than what the region's end leaves: TFLite's greedy by size), into `spans` (in offset order);
+  // `plan` gets the offsets. Returns the bytes that fit nowhere (best fit decides those in the
+  // next step).
+  auto pack = [&](const std::vector<size_t>& order, bool best_fit, std::vector<int64_t>& plan, std::vector<Span>& spans) {
     plan.assign(n, -1);
     size_t left = 0;
     for (const size_t k : order) {
@@ -91,14 +93,26 @@ void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) 
       const auto [from, to] = lifetime(k);
       size_t cursor = 0;  // the lowest offset no block seen so far covers at [from, to)
       size_t at = spans.size();  // where the new span goes in offset order
+      size_t best = SIZE_MAX, best_gap = SIZE_MAX, best_at = spans.size();
       for (size_t i = 0; i < spans.size(); ++i) {
         const Span& p = spans[i];
         if (!p.meets(from, to)) continue;
         if (p.offset >= cursor + size) {
-          at = i;
-          break;
+          if (!best_fit) {
+            at = i;
+            break;
+          }
+          if (p.offset - cursor < best_gap) {
+            best = cursor;
+            best_gap = p.offset - cursor;
+            best_at = i;
+          }
         }
         cursor = std::max(cursor, p.offset + p.size);
+      }
+      if (best_fit && best != SIZE_MAX && (cursor + size > region_size || region_size - cursor >= best_gap)) {
+        cursor = best;  // a gap between blocks, no larger than what the region's end leaves
+        at = best_at;
       }
       if (cursor + size > region_size) {
         left += size;
@@ -110,47 +124,52 @@ void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) 
     }
     return left;
   };
-  // Largest first, then earliest: the static planners' order (TFLite's, XLA's). Where that leaves
-  // blocks without an offset (a tight budget's profile fills the region), another order may pack
-  // the same lifetimes whole, and the first that does is kept: a block without an offset lands in
-  // a hole of the plan's by best fit and compaction moves what it scattered, step after step
-  // (tests/test_step_placement.py). A partial packing of another order is no surer than the first:
-  // kept where it left fewer bytes out, it moved more on two of bench/plan_ways.py's eight budgets.
+  // Largest first, then earliest, each at the lowest offset: the static planners' order (TFLite's,
+  // XLA's). Where that leaves blocks without an offset (a tight budget's profile fills the region),
+  // another order may pack the same lifetimes whole, and the first that does is kept: a block
+  // without an offset lands in a hole of the plan's by best fit and compaction moves what it
+  // scattered, step after step (tests/test_step_placement.py). The three other orders go first at
+  // the lowest offset, then all four into the smallest gap that holds each block. A partial packing
+  // of another order is no surer than the first: kept where it left fewer bytes out, it moved more
+  // on two of bench/plan_ways.py's eight budgets.
+  const int64_t end = clock_;  // a block that outlives the step lasts to its end, for these orders
+  auto span_of = [&](size_t k) {
+    const auto [from, to] = lifetime(k);
+    return (to == kNever ? end : to) - from;
+  };
+  using Key = std::function<bool(size_t, size_t)>;
+  const Key orders[] = {
+      [&](size_t a, size_t b) {  // largest first
+        return now_.size[a] != now_.size[b] ? now_.size[a] > now_.size[b] : now_.allocated_at[a] < now_.allocated_at[b];
+      },
+      [&](size_t a, size_t b) {  // longest lived first: they pin the offsets the rest pack around
+        return span_of(a) != span_of(b) ? span_of(a) > span_of(b) : now_.size[a] > now_.size[b];
+      },
+      [&](size_t a, size_t b) {  // most bytes x clock first
+        const double x = static_cast<double>(now_.size[a]) * static_cast<double>(span_of(a));
+        const double y = static_cast<double>(now_.size[b]) * static_cast<double>(span_of(b));
+        return x != y ? x > y : a < b;
+      },
+      [&](size_t a, size_t b) { return a < b; },  // in allocation order: stack-like lifetimes nest
+  };
   std::vector<size_t> order(n);
   std::iota(order.begin(), order.end(), size_t(0));
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return now_.size[a] != now_.size[b] ? now_.size[a] > now_.size[b] : now_.allocated_at[a] < now_.allocated_at[b];
-  });
-  if (pack(order, plan_, placed) > 0) {
+  std::sort(order.begin(), order.end(), orders[0]);
+  if (pack(order, false, plan_, placed) > 0) {
     std::vector<Span> obstacles;  // what the step ended with (index -1), in offset order, for the retries
     std::copy_if(placed.begin(), placed.end(), std::back_inserter(obstacles), [](const Span& p) { return p.index < 0; });
-    const int64_t end = clock_;  // a block that outlives the step lasts to its end, for these orders
-    auto span_of = [&](size_t k) {
-      const auto [from, to] = lifetime(k);
-      return (to == kNever ? end : to) - from;
-    };
-    using Key = std::function<bool(size_t, size_t)>;
-    const Key others[] = {
-        [&](size_t a, size_t b) {  // longest lived first: they pin the offsets the rest pack around
-          return span_of(a) != span_of(b) ? span_of(a) > span_of(b) : now_.size[a] > now_.size[b];
-        },
-        [&](size_t a, size_t b) {  // most bytes x clock first
-          const double x = static_cast<double>(now_.size[a]) * static_cast<double>(span_of(a));
-          const double y = static_cast<double>(now_.size[b]) * static_cast<double>(span_of(b));
-          return x != y ? x > y : a < b;
-        },
-        [&](size_t a, size_t b) { return a < b; },  // in allocation order: stack-like lifetimes nest
-    };
     std::vector<int64_t> plan;
-    for (const Key& key : others) {
-      std::sort(order.begin(), order.end(), key);
-      std::vector<Span> spans = obstacles;
-      if (pack(order, plan, spans) == 0) {
-        plan_.swap(plan);
-        placed.swap(spans);
-        break;
+    bool whole = false;
+    for (const bool best_fit : {false, true})
+      for (size_t o = best_fit ? 0 : 1; o < std::size(orders) && !whole; ++o) {
+        std::sort(order.begin(), order.end(), orders[o]);
+        std::vector<Span> spans = obstacles;
+        if (pack(order, best_fit, plan, spans) == 0) {
+          plan_.swap(plan);
+          placed.swap(spans);
+          whole = true;
+        }
       }
-    }
   }
   plan_size_ = n ? now_.size : std::vector<size_t>();
   spans_ = std::move(placed);

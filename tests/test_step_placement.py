@@ -91,6 +91,31 @@ def test_lifetimes_that_largest_first_cannot_pack_are_packed_in_another_order():
     assert a.stats()["num_displaced_from_plan"] == 0
 
 
+def test_lifetimes_no_order_packs_by_lowest_offset_are_packed_into_the_smallest_gaps():
+    """Six blocks in 6 MiB whose lifetimes no order (largest first, longest lived, bytes x clock,
+    allocation order) packs at the lowest free offsets: each leaves one block without an offset,
+    and compaction would move what best fit scatters every step. Put into the smallest gap that
+    holds them (TFLite's greedy by size), all six fit, and the repeated step moves nothing."""
+    a, live = _compacting_arena(6 * MiB, True)
+    events = ["+a", "+b", "-b", "+c", "+d", "-a", "+e", "-c", "+f", "-d", "-e", "-f"]
+    sizes = {"a": 2, "b": 3, "c": 1, "d": 2, "e": 1, "f": 3}
+    moved = []
+    for _ in range(4):
+        before = a.stats()["moved_bytes"]
+        for ev in events:
+            name = ev[1]
+            if ev[0] == "+":
+                live[name] = a.allocate(sizes[name] * MiB)
+            else:
+                a.free(live.pop(name))
+        a.end_step()
+        moved.append(a.stats()["moved_bytes"] - before)
+        offsets, _ = a.step_placement_plan()
+        assert -1 not in list(offsets)
+    assert moved[1:] == [0, 0, 0]
+    assert a.stats()["num_displaced_from_plan"] == 0
+
+
 def test_a_block_that_outlives_its_step_is_planned_around_its_successor():
     """g (a gradient) is made late in a step and freed early in the next, before the next g: the
     plan puts the next g where the last one was, not beside it."""
