@@ -25,7 +25,9 @@
 // again from kProbeEvery. A probe, and the step back after it, move what the other way left: at 0.3
 // of the transformer's peak at fixed rates (bench/plan_ways.py, 48 steps) the settled way's steps
 // moved 0-22 MiB of a 55.5 MiB budget, its probes 6-107 and the steps back 16-67, which made the
-// mean 0.43x of the budget with a turn every five steps.
+// mean 0.43x of the budget with a turn every five steps; backed off, 0.15x over 96 steps (deep
+// 0.36x -> 0.13x), recomputing 2% less. The cost: a way that became cheaper is probed again
+// only at its turn, four turns of up to 64 steps apart (more where it sits turns out).
 // A way's measure is its latest comebacks plus the mean of its moves over its last kMovesWindow
 // steady steps: which blocks compaction moves turns on where pressure found them, and one step's
 // moves swing where its comebacks do not (rebuild at the transformer's checkpointed peak, fixed

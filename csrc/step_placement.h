@@ -16,7 +16,8 @@
 // lowest offset no time-overlapping placed block covers; one that would pass the region's end gets
 // no offset. Where some get none, the same first fit is tried in three more orders (longest lived
 // first, most bytes x clock first, allocation order: which order packs a full region turns on the
-// lifetimes), and the first that gives every block an offset is the plan. In the next step,
+// lifetimes), then all four putting each block into the smallest gap that holds it (TFLite's
+// greedy by size), and the first that gives every block an offset is the plan. In the next step,
 // allocation k takes its planned offset when that range is free. When it is not, a block of this
 // step outlived its counterpart of the step before (the step before's pressure released it there,
 // or compaction moved it): allocation k is displaced. It then goes to
