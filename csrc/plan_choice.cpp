@@ -52,9 +52,9 @@ void PlanChoice::measured(Releases ran, double comeback, double moves) {
   ++measured_steps_[w];
   if (probing_ != w || --probe_left_ > 0) return;  // a probe's first step: its second measures the way
   probing_ = -1;
-  // A probe that loses waits twice as long for the next turn; one that takes over (or anything
-  // else that changes the cheapest, next()) brings the turns back to every kProbeEvery steps.
-  probe_every_ = cheapest() == w ? kProbeEvery : std::min(2 * probe_every_, kMaxProbeEvery);
+  // A probe that loses waits twice as long for the next turn (one that takes over is a new
+  // cheapest: next() brings the turns back to every kProbeEvery steps).
+  if (cheapest() != w) probe_every_ = std::min(2 * probe_every_, kMaxProbeEvery);
   if (cost > kFar * latest_cost_[cheapest(w)]) {  // far behind still: probed less often
     sit_out_[w] = next_sit_out_[w];
     next_sit_out_[w] = std::min(2 * next_sit_out_[w], kMaxSitOut);

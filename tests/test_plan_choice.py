@@ -13,9 +13,10 @@ WAYS = ["learned", "cover", "rebuild", "belady", "greedy"]
 TRIALS = [w for w in WAYS for _ in range(2)]  # each way twice, in turn
 
 
-def _choices(costs, steps=len(TRIALS) + 6, cover_allowed=True):
-    """The ways PlanChoice picks over ``steps`` steps, each step measured at costs[way]."""
-    c, out = pymem._C.PlanChoice(), []
+def _choices(costs, steps=len(TRIALS) + 6, cover_allowed=True, c=None):
+    """The ways PlanChoice ``c`` (a fresh one by default) picks over ``steps`` steps, each step
+    measured at costs[way]."""
+    c, out = c or pymem._C.PlanChoice(), []
     for _ in range(steps):
         how = c.next(cover_allowed)
         out.append(how)
@@ -52,24 +53,14 @@ def test_a_change_of_the_cheapest_brings_the_probes_back_to_every_five_steps():
     turns after it come every five steps again, as they do when the cheapest's own measure rises
     over another's."""
     costs = {"learned": 1.2, "cover": 1.3, "rebuild": 1.35, "belady": 1.4, "greedy": 1.0}
-    c, seen = pymem._C.PlanChoice(), []
-    for _ in range(len(TRIALS) + 5 + 2 + 10 + 2):  # probes of learned, then of cover (both lose)
-        how = c.next(True)
-        seen.append(how)
-        c.measured(how, costs[how])
+    c = pymem._C.PlanChoice()
+    seen = _choices(costs, len(TRIALS) + 5 + 2 + 10 + 2, c=c)  # probes of learned, then of cover (both lose)
     costs["rebuild"] = 0.8
-    for _ in range(20 + 2 + 5 + 2):
-        how = c.next(True)
-        seen.append(how)
-        c.measured(how, costs[how])
+    seen += _choices(costs, 20 + 2 + 5 + 2, c=c)
     assert _runs(seen[len(TRIALS):]) == [("greedy", 5), ("learned", 2), ("greedy", 10), ("cover", 2),
                                           ("greedy", 20), ("rebuild", 7), ("belady", 2)]
     costs["rebuild"] = 2.0  # its own steps got dearer: greedy again, probed every five steps
-    for _ in range(1 + 1 + 5 + 2):
-        how = c.next(True)
-        seen.append(how)
-        c.measured(how, costs[how])
-    assert _runs(seen[len(TRIALS) + 5 + 2 + 10 + 2 + 20 + 7 + 2:]) == [("rebuild", 2), ("greedy", 5), ("learned", 2)]
+    assert _runs(_choices(costs, 1 + 1 + 5 + 2, c=c)) == [("rebuild", 2), ("greedy", 5), ("learned", 2)]
 
 
 def test_only_a_step_after_one_run_the_same_way_updates_its_measure():
