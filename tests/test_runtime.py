@@ -397,6 +397,33 @@ def test_free_bytes_that_cover_a_request_are_slid_together_not_released_for(mana
         assert torch.equal(ts[i], x * (i + 2))
 
 
+def test_an_input_a_pending_recompute_waits_for_is_moved_aside_not_released(managed):
+    """Bringing t = a + b[:n] back recomputes a, then b. For b only a, which t's recompute still
+    reads, is left to release, and the free bytes cover b in two holes: a is slid aside, since
+    releasing it would recompute it once more right away."""
+    n = 65_536  # 256 KiB per unit: above the small-region threshold
+    unit = 4 * n
+    pymem.enable(5 * unit * 256 // 255 + 4096, policy="dtr")  # 5 units in the main region
+    with pymem.no_recompute():
+        x = torch.randn(n)  # a leaf: stays, and is read (cannot move) while b is recomputed
+    a = x * 2
+    b = torch.cat([x, x])  # 2 units
+    t = a + b[:n]
+    z = torch.cat([x, x, x, x])  # 4 units: a, b and t go
+    assert all(pymem.is_evicted(v) for v in (a, b, t))
+    del z
+    y = torch.cat([x, x[: n // 2]])  # 1.5 units beside x: after a comes back, 1.5 units are free
+    before = pymem.memory_stats()
+    total = t.sum()
+    st = pymem.memory_stats()
+    assert st["num_rematerializations"] - before["num_rematerializations"] == 3  # a, b and t, once each
+    assert st["num_compactions"] - before["num_compactions"] == 1 and st["moved_bytes"] > 0
+    assert st["allocated_bytes.peak"] <= st["budget_bytes"]
+    assert pymem.is_evicted(y)
+    del y
+    assert torch.equal(t, x * 2 + x) and torch.equal(total, t.sum())
+
+
 def test_scattered_leaves_are_moved_to_fit_a_large_request(managed):
     """Leaves (state made under pymem.no_recompute) between evictable values split the free bytes; the request
     fits only if the leaves move. Their values, and the recomputed ones, must survive the move."""

@@ -169,6 +169,39 @@ def test_a_refused_kernel_runs_again_once_its_inputs_slid_together():
     assert out["status"] == "oom" and out["retries"] == 0 and "out of budget" in out["error"]
 
 
+def test_a_value_a_restore_waits_for_is_slid_aside_not_released():
+    """pressure.py's rule, replayed: T = h(a, b) comes back by recomputing a, then b (2 MiB) beside
+    x, which b's kernel reads (it cannot move). y goes first; then only a, which T's recompute still
+    reads, is left, and the free bytes cover b in two holes: a is slid aside, not released (it
+    would be recomputed again at once)."""
+    ops = [("f", 1.0, [0], [1]), ("g", 1.0, [0], [2]), ("h", 1.0, [1, 2], [3]), ("k", 1.0, [0], [4]),
+           ("mk", 1.0, [], [5]), ("use", 1.0, [3], [6])]
+    values = [(MiB, -1, 0, -1), (MiB, 0, 1, -1), (2 * MiB, 1, 1, -1), (MiB // 2, 2, 1, -1),
+              (7 * MiB // 2, 3, 1, 3), (MiB, 4, 1, -1), (1024, 5, 1, -1)]  # x, a, b, T, z (evicts a, b, T), y, out
+    sim = Simulator(_trace(ops, values), 9 * MiB // 2 * 256 // 255 + 4096, policy="dtr", device=None)  # 4.5 MiB main
+    out = sim.run()
+    assert out["status"] == "ok" and out["peak_bytes"] <= out["budget_bytes"]
+    assert list(zip(sim.events["back_at"], sim.events["back_value"])) == [(5, 1), (5, 2), (5, 3)]  # each once
+    assert [v for v, at in zip(sim.released, sim.released_at) if at == 5] == [5]  # y alone
+    assert out["compactions"] == 1 and out["moved_bytes"] == MiB  # a, slid aside
+
+
+def test_pressure_releases_no_small_region_value_as_the_runtime_releases_none():
+    """The runtime's records of the small region are never candidates (ArenaBackend.releasable):
+    their bytes cannot serve a large request. The replay's pressure leaves them too, even to
+    ``lru``, for which the oldest value, small or not, scores lowest."""
+    ops = [("f", 1.0, [0], [1]), ("g", 1.0, [0], [2]), ("h", 1.0, [0], [3]), ("k", 1.0, [0], [4]),
+           ("sum", 1.0, [1, 2, 3], [5])]
+    values = [(MiB, -1, 0, -1), (8 * 1024, 0, 1, -1), (MiB, 1, 1, -1), (MiB, 2, 1, -1), (MiB, 3, 1, -1),
+              (1024, 4, 1, -1)]
+    for policy in ("lru", "dtr"):
+        sim = Simulator(_trace(ops, values), 3 * MiB * 256 // 255 + 4096, policy=policy, device=None)
+        out = sim.run()
+        assert sim.values[1].addr >= sim.main_end  # in the small region
+        assert out["status"] == "ok" and 1 not in sim.released, (policy, sim.released)
+        assert out["recomputes"] == 1  # a, for the sum
+
+
 def _forward_backward_chain(k=8, grad=64 * 1024):
     """x -> a1 .. ak (1 MiB each, a forward pass), then a backward pass that reads ak .. a1 in
     turn, each with the gradient before it, and frees it."""

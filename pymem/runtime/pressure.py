@@ -10,7 +10,9 @@ and slide the rest of it together. Where the main region's free bytes cover the 
 start (fragmentation alone), they compact first, if that releases nothing and its moves cost less
 than releasing would: the comebacks (compaction_plan.comeback_seconds) of the values released,
 lowest score first, until the request fits beside a hole; releases that add up to the request
-without fitting end in a compaction anyway. Recompute seconds a step at the fixed costs of
+without fitting end in a compaction anyway. The same question is asked again when only inputs a
+pending recompute waits for are left to release: one released would be recomputed again within the
+same restore. Recompute seconds a step at the fixed costs of
 bench/plan_ways.py, before and after: TinyGPT at 0.3 of its peak 0.146 / 0.109 (plan off), the
 CNN at 0.5 0.141 / 0.084 (plan auto). A hard budget cannot grow past fragmentation the way a caching
 allocator does, and this keeps one-at-a-time eviction from emptying the arena for a single large
@@ -38,6 +40,9 @@ def _progress(arena) -> tuple:
     """What the arena counts as the handler's progress (frees, moves)."""
     s = arena.stats()
     return s["num_frees"], s["num_moved_blocks"]
+
+
+_UNSCANNED = object()  # _release_lowest's default: the caller has not looked for the lowest yet
 
 
 class _ThreadSeconds:
@@ -116,19 +121,24 @@ class PressureHandler:
     def _make_room(self, request: int, window) -> None:
         rt = self.rt
         allocs = rt.arena.num_allocs
+        by_moves = lambda moved, movable: self._moves_cheaper(request, moved, movable)  # noqa: E731
         if allocs != self._allocs:  # a new request (the arena calls us again until it fits)
             self._allocs, self._freed = allocs, 0
             rt.sweep()  # values whose last tensor died are freed already: count them as evicted
             # The free bytes cover it, only not in one block: slide them together first where the
             # moves cost less than the comeback of what a release would take.
-            if not self.uses_window and rt.arena.main_free_bytes >= request and \
-                    compact_for(rt, request, lambda moved, movable: self._moves_cheaper(request, moved, movable)):
+            if not self.uses_window and rt.arena.main_free_bytes >= request and compact_for(rt, request, by_moves):
                 return
         if self.uses_window:
             if not self._release_window(request) and not compact_for(rt, request):
                 self._release_lowest(request)
         elif self._freed < request:
-            freed = self._release_lowest(request)
+            best = self._lowest_scoring()
+            # Only values a pending recompute waits for are left: one released comes straight back,
+            # so where the free bytes cover the request, sliding them together goes first.
+            if best is None and rt.arena.main_free_bytes >= request and compact_for(rt, request, by_moves):
+                return
+            freed = self._release_lowest(request, best)
             self._freed += freed
             if not freed:  # nothing left to release: the free bytes may still be enough together
                 compact_for(rt, request)
@@ -228,12 +238,14 @@ class PressureHandler:
             return None
         return self.scan.scores(records, *self._scan_state())
 
-    def _release_lowest(self, request: int = 0) -> int:
-        """Release the lowest-scoring value (a waited-on one last; a prefetch in flight as the last
-        resort, given up for ``request``). Returns the bytes freed."""
+    def _release_lowest(self, request: int = 0, best=_UNSCANNED) -> int:
+        """Release the lowest-scoring value (``best``, where the caller has scanned for it already; a
+        waited-on one last; a prefetch in flight as the last resort, given up for ``request``).
+        Returns the bytes freed."""
         rt = self.rt
         now, evaluate = rt.clock, rt.policy.evaluate
-        best = self._lowest_scoring()
+        if best is _UNSCANNED:
+            best = self._lowest_scoring()
         if best is None:  # only inputs a pending recompute waits for: the one needed last goes
             best_key = (math.inf, math.inf, math.inf)
             for r, _ in self._candidates(waiting=True):

@@ -476,22 +476,30 @@ class Simulator:
         self.clock += seconds
 
     def _releasable(self, v: _Value) -> bool:
-        return v.state == RESIDENT and v.locks == 0 and v.busy == 0 and v.nbytes > 0 and (v.recipe or self.offload_leaves) and \
-            v.ready_at <= self.clock  # a copy in flight is not given up
+        """As the runtime's records (backends.ArenaBackend.releasable): a block of the main region over
+        one grain, not locked or read by a running kernel, and not a copy back in flight."""
+        return v.state == RESIDENT and v.locks == 0 and v.busy == 0 and v.nbytes > _C.ALIGNMENT and \
+            v.addr < self.main_end and (v.recipe or self.offload_leaves) and v.ready_at <= self.clock
 
     # --- the pressure handler (pressure.py's protocol) ---
     def _on_pressure(self, request: int, _window) -> None:  # searches windows itself, when it wants one
         allocs = self.arena.num_allocs
+        by_moves = lambda moved, movable: self._moves_cheaper(request, moved, movable)  # noqa: E731
         if allocs != self._allocs:
             self._allocs, self._freed = allocs, 0
-            if not self.uses_window and self.arena.main_free_bytes >= request and \
-                    self._compact(request, lambda moved, movable: self._moves_cheaper(request, moved, movable)):
+            if not self.uses_window and self.arena.main_free_bytes >= request and self._compact(request, by_moves):
                 return
         if self.uses_window:
             if not self._release_window(request) and not self._compact(request):
-                self._release_lowest(request)
+                self._release_lowest(request, self._lowest())
         elif self._freed < request:
-            freed = self._release_lowest(request)
+            best = self._lowest()
+            # Only values a pending restore waits for are left: one released comes straight back,
+            # so where the free bytes cover the request, sliding them together goes first.
+            if (best is None or best.waits > 0) and self.arena.main_free_bytes >= request and \
+                    self._compact(request, by_moves):
+                return
+            freed = self._release_lowest(request, best)
             self._freed += freed
             if not freed:
                 self._compact(request)
@@ -530,10 +538,10 @@ class Simulator:
         return {a: (v, None, self._releasable(v)) for a, v in self.by_addr.items()
                 if v.busy == 0 and v.host_at <= self.clock}
 
-    def _release_lowest(self, request: int = 0) -> int:
-        """pressure._release_lowest: the lowest score among values no restore waits for; else the
-        waited-on value read last; else, as a last resort, a copy back still in flight."""
-        best = self._lowest()
+    def _release_lowest(self, request: int, best: Optional[_Value]) -> int:
+        """pressure._release_lowest: ``best``, the lowest score among values no restore waits for,
+        else the waited-on value read last (``_lowest``); else, as a last resort, a copy back still
+        in flight."""
         if best is None:
             return self._cancel_prefetch(request)
         return self._release(best)
