@@ -122,7 +122,8 @@ class PressureHandler:
         rt = self.rt
         allocs = rt.arena.num_allocs
         by_moves = lambda moved, movable: self._moves_cheaper(request, moved, movable)  # noqa: E731
-        if allocs != self._allocs:  # a new request (the arena calls us again until it fits)
+        fresh = allocs != self._allocs  # a new request (the arena calls us again until it fits)
+        if fresh:
             self._allocs, self._freed = allocs, 0
             rt.sweep()  # values whose last tensor died are freed already: count them as evicted
             # The free bytes cover it, only not in one block: slide them together first where the
@@ -135,8 +136,10 @@ class PressureHandler:
         elif self._freed < request:
             best = self._lowest_scoring()
             # Only values a pending recompute waits for are left: one released comes straight back,
-            # so where the free bytes cover the request, sliding them together goes first.
-            if best is None and rt.arena.main_free_bytes >= request and compact_for(rt, request, by_moves):
+            # so where the free bytes cover the request, sliding them together goes first (asked
+            # above already on a request's first call, with nothing changed since).
+            if best is None and not fresh and rt.arena.main_free_bytes >= request and \
+                    compact_for(rt, request, by_moves):
                 return
             freed = self._release_lowest(request, best)
             self._freed += freed

@@ -485,7 +485,8 @@ class Simulator:
     def _on_pressure(self, request: int, _window) -> None:  # searches windows itself, when it wants one
         allocs = self.arena.num_allocs
         by_moves = lambda moved, movable: self._moves_cheaper(request, moved, movable)  # noqa: E731
-        if allocs != self._allocs:
+        fresh = allocs != self._allocs
+        if fresh:
             self._allocs, self._freed = allocs, 0
             if not self.uses_window and self.arena.main_free_bytes >= request and self._compact(request, by_moves):
                 return
@@ -495,8 +496,9 @@ class Simulator:
         elif self._freed < request:
             best = self._lowest()
             # Only values a pending restore waits for are left: one released comes straight back,
-            # so where the free bytes cover the request, sliding them together goes first.
-            if (best is None or best.waits > 0) and self.arena.main_free_bytes >= request and \
+            # so where the free bytes cover the request, sliding them together goes first (asked
+            # above already on a request's first call, with nothing changed since).
+            if (best is None or best.waits > 0) and not fresh and self.arena.main_free_bytes >= request and \
                     self._compact(request, by_moves):
                 return
             freed = self._release_lowest(request, best)
