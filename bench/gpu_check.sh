@@ -3,8 +3,8 @@
 # demo, then the GPU benchmarks, each stage capped so that the whole ends by DEADLINE seconds.
 # Logs and JSON go to OUT (default ./gpu_out). Run from the repository root:
 #     OUT=/tmp/gpu DEADLINE=480 bash bench/gpu_check.sh
-# STAGES picks stages (default: env build tests demo hf overhead offload; "profile" reruns the
-# 0.5 delta run of gpu_overhead.py under cProfile); TESTS, HF_ARGS and HF_ONLY change what the
+# STAGES picks stages (default: env build tests demo overhead hf calib offload; "profile" reruns
+# the 0.5 delta run of gpu_overhead.py under cProfile; "calib" is the simulator's calibration); TESTS, HF_ARGS and HF_ONLY change what the
 # tests and hf stages run.
 # Stages run in priority order; one that fails is reported and the next one runs.
 set -uo pipefail
@@ -29,7 +29,8 @@ stage() {  # stage NAME CAP_SECONDS COMMAND...: runs COMMAND under min(CAP, what
     return $rc
 }
 
-STAGES=${STAGES:-"env build tests demo hf overhead offload"}
+STAGES=${STAGES:-"env build tests demo overhead hf calib offload"}
+CALIB_ARGS=${CALIB_ARGS:-"--models gpt,cnn --budgets 1.0,0.5,0.3 --measure-timeout 60"}
 HF_ARGS=${HF_ARGS:-"--steps 6 --warmup 3 --limit 50"}
 HF_ONLY=${HF_ONLY:-"checkpointed peak,of plain"}
 want() { case " $STAGES " in *" $1 "*) return 0;; esac; return 1; }
@@ -41,11 +42,14 @@ if want build; then
 fi
 want tests && stage tests 200 $PY -m pytest -q -p no:cacheprovider --timeout 150 ${TESTS:-tests/test_runtime_cuda.py tests/test_cuda_lib.py tests/test_cupy.py}
 want demo && stage demo 90 $PY -m pymem demo --device cuda
+want overhead && stage overhead 120 $PY bench/gpu_overhead.py --json "$OUT/gpu_overhead.json"
 # shellcheck disable=SC2086
 want hf && stage hf_checkpointing 170 $PY bench/hf_checkpointing_bench.py --device cuda --model gpt2-small \
     $HF_ARGS --only "$HF_ONLY" --json "$OUT/hf_gpt2_small.json"
-want overhead && stage overhead 120 $PY bench/gpu_overhead.py --json "$OUT/gpu_overhead.json"
+# shellcheck disable=SC2086
+want calib && stage calib 160 $PY bench/sim_calibration.py --device cuda --gpu "${CALIB_GPU:-h200}" $CALIB_ARGS \
+    --json "$OUT/sim_calibration.json"
 want offload && stage offload 90 $PY bench/offload_gpu_bench.py --models transformer --ratios 0.5 \
     --json "$OUT/offload_gpu.json"
 want profile && stage profile 60 $PY bench/gpu_overhead.py --configs 0.5:delta --profile 0.5:delta
-grep -E '^=== |passed|failed|slowdown|x \(last|ratio |unmanaged|pymem at|plain|hf-checkpointing|bitwise' "$LOG" | tail -60
+grep -E '^=== |passed|failed|slowdown|x \(last|ratio |unmanaged|pymem at|plain|hf-checkpointing|bitwise|error|floor' "$LOG" | tail -60
