@@ -6,7 +6,7 @@ pymem), for ``pymem profile`` on a real device and on the meta device (bench/sim
 Adam steps on a fixed random batch, the loss printed after each. Every tensor is made on the
 default device: without ``--device`` that is whatever the caller set (``pymem profile --device
 meta`` sets meta); with it, ``torch.set_default_device(D)``. On CUDA: no TF32, deterministic
-algorithms (warnings only), ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (set before CUDA starts).
+algorithms (warnings only), math attention, ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (set before CUDA starts).
 
 Default sizes are for a GPU (an H100: roughly 15-30 ms a step unmanaged in fp32, so launches and
 Python do not dominate); on a CPU use small ones, e.g. ``--batch 2 --seq 64`` (gpt) or ``--batch 2
@@ -61,6 +61,11 @@ def main() -> None:
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
         torch.use_deterministic_algorithms(True, warn_only=True)
+        # the math attention kernel: fp32 would run the memory-efficient one, whose backward adds
+        # with atomics, so that two unmanaged runs differ and no managed run can match them bitwise
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
     # remat_bench's builders read their sizes from its argparse namespace
     cfg = types.SimpleNamespace(seed=a.seed, gpt_vocab=a.vocab, gpt_d=a.d, gpt_heads=a.heads,

@@ -81,4 +81,22 @@ void raise_out_of_budget_in_allocator(const OutOfBudget& e) {
   TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
 }
 
+namespace {
+thread_local std::optional<OutOfBudget> t_last_refusal;
+}  // namespace
+
+ArenaRefusal::ArenaRefusal(const OutOfBudget& cause)
+    : c10::OutOfMemoryError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, cause.what()), cause_(cause) {}
+
+void raise_arena_refusal(const OutOfBudget& e) {
+  t_last_refusal = e;
+  throw ArenaRefusal(e);
+}
+
+std::optional<OutOfBudget> take_last_refusal() {
+  std::optional<OutOfBudget> taken;
+  taken.swap(t_last_refusal);
+  return taken;
+}
+
 }  // namespace pymem

@@ -6,8 +6,10 @@
 #pragma once
 
 #include <c10/core/Allocator.h>
+#include <c10/util/Exception.h>
 
 #include <functional>
+#include <optional>
 
 #include "types.h"
 
@@ -34,5 +36,25 @@ CpuHookKind installed_cpu_hook();
 // Raise `e` from inside a hook's allocator: as pymem.OutOfBudgetError with its attributes when
 // Python runs (PyTorch's op wrappers pass it through as-is), else as c10's OutOfMemoryError.
 [[noreturn]] void raise_out_of_budget_in_allocator(const OutOfBudget& e);
+
+// c10's OutOfMemoryError carrying the arena's refusal, as the CUDA library's block provider throws
+// it. Code that retries with less memory when the allocator refuses catches only c10's type: cuDNN's
+// plan search halves its workspace request and tries plans that need less; a Python error would end
+// the convolution instead. pymem's translators turn it into pymem.OutOfBudgetError with its figures.
+class ArenaRefusal final : public c10::OutOfMemoryError {
+ public:
+  explicit ArenaRefusal(const OutOfBudget& cause);
+  const OutOfBudget& cause() const noexcept { return cause_; }
+
+ private:
+  OutOfBudget cause_;
+};
+
+// Throws ArenaRefusal(e), first kept as this thread's last refusal.
+[[noreturn]] void raise_arena_refusal(const OutOfBudget& e);
+
+// This thread's last refusal thrown as ArenaRefusal, then forgotten. PyTorch's own translation of
+// c10's OutOfMemoryError into torch.OutOfMemoryError keeps only the message; this gives the figures.
+std::optional<OutOfBudget> take_last_refusal();
 
 }  // namespace pymem

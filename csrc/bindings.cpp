@@ -6,12 +6,16 @@
 #ifndef PYMEM_NO_TORCH
 #include <torch/csrc/utils/pybind.h>  // at::Tensor <-> torch.Tensor
 
+#include <c10/core/CPUAllocator.h>
+
+#include "allocator_install.h"
 #include "hook_budget.h"
 #include "hook_cpu.h"
 #include "hook_pluggable.h"
 #include "fast_op.h"
 #include "intercept.h"
 #include "movable.h"
+#include "py_errors.h"
 #include "storage.h"
 #include "sweep.h"
 #endif
@@ -68,6 +72,39 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
         py::arg("device"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
         "alloc_fn(nbytes, device, stream) (libpymem_cuda.so's pymem_cuda_alloc, by address): a block "
         "provider's refusal raises pymem.OutOfBudgetError; 0 when the library refuses by itself.");
+  // Registered after PyTorch's translator, so it runs first: it turns only ArenaRefusal.
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const pymem::ArenaRefusal& e) {
+      pymem::take_last_refusal();  // raised here with its figures: nothing to take later
+      pymem::set_python_out_of_budget(e.cause());
+    }
+  });
+  m.def("take_last_refusal",
+        []() -> py::object {
+          std::optional<pymem::OutOfBudget> e = pymem::take_last_refusal();
+          return e ? pymem::out_of_budget_error(*e) : py::none();
+        },
+        "The calling thread's last refusal thrown through the CUDA library (as c10's OutOfMemoryError, "
+        "which PyTorch hands to Python as torch.OutOfMemoryError with its message only), as a "
+        "pymem.OutOfBudgetError with its figures, then forgotten; None if there is none.");
+  m.def("allocate_first_that_fits",
+        [](const std::vector<size_t>& sizes) -> size_t {
+          c10::Allocator* cpu = c10::GetCPUAllocator();
+          for (size_t n : sizes) {
+            try {
+              c10::DataPtr p = cpu->allocate(n);
+              return n;
+            } catch (const c10::OutOfMemoryError&) {
+            }
+          }
+          return 0;
+        },
+        py::arg("sizes"),
+        "For tests: allocates each size in turn from PyTorch's CPU allocator until one is granted "
+        "(freed at once), as cuDNN's plan search retries with smaller workspaces when the allocator "
+        "raises c10's OutOfMemoryError; returns that size, or 0 if none was.");
   m.def("install_budget_hook", &pymem::install_budget_hook, py::arg("budget"),
         "allocator='native': keep PyTorch's CPU allocator, but refuse (OutOfBudgetError) any request "
         "that would hold more than `budget` bytes. Installing again changes the budget.");

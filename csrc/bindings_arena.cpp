@@ -104,7 +104,7 @@ void set_out_of_budget_class(py::object cls) {
   g_out_of_budget = cls.release().ptr();
 }
 
-void set_python_out_of_budget(const OutOfBudget& e) {
+py::object out_of_budget_error(const OutOfBudget& e) {
   py::object cls = py::reinterpret_borrow<py::object>(out_of_budget_class());
   py::object err = cls(e.what());
   err.attr("requested") = e.requested;
@@ -112,7 +112,12 @@ void set_python_out_of_budget(const OutOfBudget& e) {
   err.attr("allocated") = e.allocated;
   err.attr("pinned_bytes") = e.pinned;
   err.attr("largest_free_block") = e.largest_free;
-  PyErr_SetObject(cls.ptr(), err.ptr());
+  return err;
+}
+
+void set_python_out_of_budget(const OutOfBudget& e) {
+  py::object err = out_of_budget_error(e);
+  PyErr_SetObject(out_of_budget_class().ptr(), err.ptr());
 }
 
 void register_error_translators() {

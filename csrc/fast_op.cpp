@@ -2,8 +2,10 @@
 // lines of runtime.py it mirrors; the two must change together (tests/test_interception.py trains under both and compares).
 #include "fast_op.h"
 
+#include "allocator_install.h"
 #include "arena.h"
 #include "intercept.h"
+#include "py_errors.h"
 #include "recipe.h"
 #include "record.h"
 #include "runtime_lock.h"
@@ -204,6 +206,9 @@ py::object refusal_object(std::exception_ptr e) {
     std::rethrow_exception(e);
   } catch (py::error_already_set& err) {
     return err.value();
+  } catch (const ArenaRefusal& err) {
+    take_last_refusal();  // given here with its figures; Python must not take it again later
+    return out_of_budget_error(err.cause());
   } catch (const c10::OutOfMemoryError& err) {
     return py::module_::import("torch").attr("OutOfMemoryError")(err.what_without_backtrace());
   }

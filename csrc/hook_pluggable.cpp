@@ -22,7 +22,7 @@ uintptr_t provider_allocate(void* ctx, size_t nbytes, int) {
   try {
     return static_cast<Arena*>(ctx)->allocate(nbytes, thread_allocation_class());
   } catch (const OutOfBudget& e) {
-    raise_out_of_budget_in_allocator(e);  // pymem.OutOfBudgetError, through the library to PyTorch
+    raise_arena_refusal(e);  // c10's type, through the library to PyTorch (see ArenaRefusal)
   }
 }
 

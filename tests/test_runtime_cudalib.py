@@ -2,8 +2,8 @@
 reached the way PyTorch reaches it on a GPU (alloc/free entry points with CUDAPluggableAllocator's
 signatures), with the library on a fake CUDA table over host memory. CPU tensors go down that route
 through the pluggable CPU hook, so everything but the real CUDA calls runs: the arena's slab from the
-table's cudaMalloc, the pressure handler under the library, refusals thrown through the library as
-pymem.OutOfBudgetError, the pass-through after disable, and the CUDA-order rules.
+table's cudaMalloc, the pressure handler under the library, refusals thrown through the library (as
+c10's OutOfMemoryError, raised in Python as pymem.OutOfBudgetError), the pass-through after disable, and the CUDA-order rules.
 """
 import gc
 import types
@@ -97,6 +97,26 @@ def test_refusal_is_out_of_budget_error_through_the_library(fake):
     finally:
         rt.stop()
     assert torch.equal(a, torch.ones(1024))  # and the tensor made under it is intact
+
+
+def test_a_refusal_lets_a_library_that_retries_with_less_go_on(fake):
+    """cuDNN asks for its largest workspace first and, when the allocator raises c10's
+    OutOfMemoryError, halves it and tries plans that need less. The library's refusal must be that
+    type: the Python error it was before ended the convolution (a CNN on a GPU ran out of budget at
+    0.75 of its peak, on an 831 MB workspace). A plain op's refusal stays pymem.OutOfBudgetError."""
+    rt = Runtime(1 << 20, hook=hooks.CudaLibHook(0, cuda_lib.load(), route="cpu"))
+    rt.start()
+    try:
+        a = torch.ones(1024)
+        assert pymem._C.allocate_first_that_fits([4 << 20, 2 << 20, 256 << 10]) == 256 << 10
+        with pytest.raises(pymem.OutOfBudgetError) as info:
+            torch.ones(1 << 20)  # 4 MiB in a 1 MiB budget
+        assert info.value.requested == 4 << 20 and info.value.budget == 1 << 20, vars(info.value)
+        assert "aten.ones.default" in str(info.value)
+        assert pymem._C.take_last_refusal() is None  # the error took it
+        assert torch.equal(a + 1, torch.full((1024,), 2.0))
+    finally:
+        rt.stop()
 
 
 def test_after_disable_the_library_passes_requests_to_cuda_malloc(fake):

@@ -49,6 +49,16 @@ _SNAPSHOT_LIMIT = 64 << 10  # leaf buffers an op mutates are snapshotted for its
 _Refused = torch.OutOfMemoryError
 
 
+def _with_figures(e: BaseException) -> BaseException:
+    """A refusal thrown through the CUDA library is c10's OutOfMemoryError (so that cuDNN can retry
+    with a smaller workspace), which PyTorch hands to Python as torch.OutOfMemoryError with its
+    message only: the OutOfBudgetError it stands for, with its figures."""
+    if isinstance(e, OutOfBudgetError):
+        return e
+    taken = _C.take_last_refusal()
+    return taken if taken is not None and str(taken) in str(e) else e
+
+
 def _collect(values, out: List[_Tensor]) -> None:
     for a in values:
         if isinstance(a, _Tensor):
@@ -720,7 +730,7 @@ class Runtime(_C.RuntimeBase):
                 # Drop the traceback: it holds this frame, whose locals hold the op's tensors, in a
                 # cycle that only the garbage collector would break.
                 e = again.with_traceback(None)
-        raise e
+        raise _with_figures(e)
 
     def allocating(self, fn, *args):
         """``fn(*args)`` allocates outside any op pymem sees (a recompute's scratch copy): under the
@@ -784,6 +794,7 @@ class Runtime(_C.RuntimeBase):
     def _op_error(self, name: str, e: OutOfBudgetError, needs: str = "") -> OutOfBudgetError:
         """The error a user sees when an op cannot run within the budget: the op, what it needed,
         the budget and the arena's state, and the arena's own message as the cause."""
+        e = _with_figures(e)
         err = OutOfBudgetError.from_cause(
             f"pymem: {name} {needs}, but the budget is {self.budget} B and nothing else can be released "
             f"(allocated {getattr(e, 'allocated', 0)} B, largest free block "
