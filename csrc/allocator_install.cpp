@@ -83,6 +83,7 @@ void raise_out_of_budget_in_allocator(const OutOfBudget& e) {
 
 namespace {
 thread_local std::optional<OutOfBudget> t_last_refusal;
+thread_local uint64_t t_refusals = 0;
 }  // namespace
 
 ArenaRefusal::ArenaRefusal(const OutOfBudget& cause)
@@ -90,8 +91,11 @@ ArenaRefusal::ArenaRefusal(const OutOfBudget& cause)
 
 void raise_arena_refusal(const OutOfBudget& e) {
   t_last_refusal = e;
+  ++t_refusals;
   throw ArenaRefusal(e);
 }
+
+uint64_t arena_refusals_here() noexcept { return t_refusals; }
 
 std::optional<OutOfBudget> take_last_refusal() {
   std::optional<OutOfBudget> taken;

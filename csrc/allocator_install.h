@@ -50,8 +50,12 @@ class ArenaRefusal final : public c10::OutOfMemoryError {
   OutOfBudget cause_;
 };
 
-// Throws ArenaRefusal(e), first kept as this thread's last refusal.
+// Throws ArenaRefusal(e), first kept as this thread's last refusal and counted.
 [[noreturn]] void raise_arena_refusal(const OutOfBudget& e);
+
+// How many ArenaRefusals this thread has thrown: a kernel that returns with it moved went on after
+// a refusal (runtime/fallbacks.py).
+uint64_t arena_refusals_here() noexcept;
 
 // This thread's last refusal thrown as ArenaRefusal, then forgotten. PyTorch's own translation of
 // c10's OutOfMemoryError into torch.OutOfMemoryError keeps only the message; this gives the figures.

@@ -89,6 +89,8 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
         "The calling thread's last refusal thrown through the CUDA library (as c10's OutOfMemoryError, "
         "which PyTorch hands to Python as torch.OutOfMemoryError with its message only), as a "
         "pymem.OutOfBudgetError with its figures, then forgotten; None if there is none.");
+  m.def("arena_refusals", &pymem::arena_refusals_here,
+        "How many refusals the CUDA library's arena threw on this thread (as c10's OutOfMemoryError).");
   m.def("allocate_first_that_fits",
         [](const std::vector<size_t>& sizes) -> size_t {
           c10::Allocator* cpu = c10::GetCPUAllocator();

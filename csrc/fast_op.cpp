@@ -529,6 +529,7 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
   unlock.held = false;
   const std::optional<Arena::OpMark> mark = R.arena != nullptr ? std::optional(R.arena->mark_op()) : std::nullopt;
   const double t0 = now_seconds();
+  const uint64_t refusals = arena_refusals_here();
   std::exception_ptr failure;
   {
     py::gil_scoped_release no_gil;
@@ -558,6 +559,8 @@ bool run_fast_op(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch
     ++g_stats.slow;
     return false;
   }
+  if (arena_refusals_here() != refusals)  // it went on with less memory (runtime/fallbacks.py)
+    in_python(R, [&] { R.rt.attr("fallbacks").attr("note")(f.name); });
   const double cost = estimate_here_ok ? estimated_cost(R, f, schema, ins, saved, torch::jit::last(*stack, schema.returns().size()))
                      : estimated          ? view_cost_under(R, S.cost_model)
                                           : (t1 - t0) - (handler_seconds() - handled);

@@ -7,13 +7,14 @@ c10's OutOfMemoryError, raised in Python as pymem.OutOfBudgetError), the pass-th
 """
 import gc
 import types
+import warnings
 
 import pytest
 import torch
 
 import pymem
 from pymem import cuda_lib
-from pymem.runtime import hooks
+from pymem.runtime import hooks, ops
 from pymem.runtime.runtime import Runtime
 
 if cuda_lib.library_path() is None:
@@ -117,6 +118,42 @@ def test_a_refusal_lets_a_library_that_retries_with_less_go_on(fake):
         assert torch.equal(a + 1, torch.full((1024,), 2.0))
     finally:
         rt.stop()
+
+
+# A kernel that asks for an 8 MiB workspace first and goes on with 64 KiB when refused (as cuDNN's).
+_LIB = torch.library.Library("pymem_test_fallback", "DEF")
+_LIB.define("workspace_add(Tensor x) -> Tensor")
+_LIB.impl("workspace_add", lambda x: x + pymem._C.allocate_first_that_fits([8 << 20, 64 << 10]), "CPU")
+_WORKSPACE_ADD = torch.ops.pymem_test_fallback.workspace_add.default
+
+
+@pytest.mark.parametrize("intercept", ["dispatcher", "mode"])
+def test_a_kernel_that_went_on_with_less_memory_is_counted_and_named_once(fake, monkeypatch, intercept):
+    """Its results may differ from an unmanaged run's (another cuDNN plan): pymem says so, once per
+    op, and counts each such kernel, a recompute's too."""
+    monkeypatch.setenv("PYMEM_INTERCEPT", intercept)
+    # a pure function of its input, as aten's convolution: its outputs get recipes
+    monkeypatch.setattr(ops, "_PURE_NAMESPACES", ops._PURE_NAMESPACES + ("pymem_test_fallback",))
+    rt = Runtime(2 << 20, hook=hooks.CudaLibHook(0, cuda_lib.load(), route="cpu"))
+    rt.start()
+    try:
+        x = torch.ones(1 << 16)  # 256 KiB: released and recomputed below
+        with pytest.warns(RuntimeWarning, match=r"pymem_test_fallback.workspace_add.default went on with less "
+                                                r"memory than it asked for: the budget could not hold its 8388608 B"):
+            y = _WORKSPACE_ADD(x)
+        assert torch.equal(y, torch.full((1 << 16,), 1.0 + (64 << 10)))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            z = _WORKSPACE_ADD(x)
+            rt.evict(y)
+            assert rt.is_evicted(y)
+            assert torch.equal(y + 0, z)  # recomputed, falling back again
+        stats = rt.memory_stats()
+        assert stats["num_kernel_fallbacks"] == 3 and stats["num_kernel_fallbacks.recompute"] == 1, stats
+        assert stats["num_rematerializations"] == 1, stats
+    finally:
+        rt.stop()
+    assert pymem._C.take_last_refusal() is None  # each note took its refusal: nothing stale is left
 
 
 def test_after_disable_the_library_passes_requests_to_cuda_malloc(fake):

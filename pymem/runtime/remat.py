@@ -15,6 +15,7 @@ import torch
 from .. import _C
 from .. import restore_order
 from ..errors import OutOfBudgetError
+from .fallbacks import refusals_here
 from .records import Record, Slot
 
 _THRASH_FACTOR = 4   # a restore's recomputes per value it could need, before it gives up
@@ -149,13 +150,16 @@ def _recompute(rt, r: Record) -> None:
                 tensors.append(a.view(_C.StorageRef(buf)))
         args, kwargs = _fill(rc.args, tensors), _fill(rc.kwargs, tensors)
         t0 = time.perf_counter()
+        refusals = refusals_here()
         try:
             out = _call(rc, args, kwargs)
+            if refusals_here() != refusals:
+                rt.fallbacks.note(r.op, recompute=True)
         except torch.OutOfMemoryError as e:
             if any(a.mutated for a in rc.refs):  # it may have written its private copy: no retry
                 raise
             # A functional recompute left no trace: make room (its inputs stay locked), run it again.
-            out = rt.run_again(_call, (rc, args, kwargs), {}, e)
+            out = rt.run_again(_call, (rc, args, kwargs), {}, e, name=r.op, recompute=True)
         # It is an op run too: the clock moves on (by the estimate when costs are estimated).
         rt.stats_remat(time.perf_counter() - t0 if rt.cost_model is None else r.compute_cost)
     finally:

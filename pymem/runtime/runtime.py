@@ -20,6 +20,7 @@ from .hooks import CpuHook, CudaLibHook
 from .ops import in_flight, mutated_tensors, op_info
 from .pressure import PressureHandler
 from .compile_warning import CompileWarning
+from .fallbacks import KernelFallbacks, refusals_here as _refusals_here
 from .heap_freeze import HeapFreeze
 from .optimizer_steps import OptimizerSteps
 from .raw_access import RawAccess
@@ -218,6 +219,7 @@ class Runtime(_C.RuntimeBase):
         self.threads = ThreadCoverage(self, self.interception)
         self.raw_access = RawAccess(self)
         self.compile_warning = CompileWarning()
+        self.fallbacks = KernelFallbacks()
         self.optimizer_step_hooks = OptimizerSteps(self)
         self.heap_freeze = HeapFreeze()
         # Tensors on this device are managed; others (the CPU batch of a CUDA run) are left alone.
@@ -693,10 +695,14 @@ class Runtime(_C.RuntimeBase):
         are blocks no record owns yet, which nothing releases or moves either."""
         lock = self.lock
         lock.release()
+        refusals = _refusals_here()
         try:
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
         finally:
             lock.acquire()
+        if _refusals_here() != refusals:
+            self.fallbacks.note(str(func))
+        return out
 
     def seen_on_this_thread(self) -> bool:
         """True when this thread's ops go through this runtime."""
@@ -712,9 +718,10 @@ class Runtime(_C.RuntimeBase):
         self.residency.hand_over_pins(r, self._new_record(t, _storage_key(t), cost, None, op))
         return True
 
-    def run_again(self, func, args, kwargs, e: OutOfBudgetError, rng=None):
+    def run_again(self, func, args, kwargs, e: OutOfBudgetError, rng=None, name=None, recompute=False):
         """``func`` (functional: its partial outputs died with the exception, it left no trace) ran
-        out of budget. Make room and run it again. The arena's handler has released all it could
+        out of budget. Make room and run it again (``name``, ``recompute``: what a kernel fallback
+        is noted as; by default the op's name). The arena's handler has released all it could
         before refusing, so the arena compacts with the op's inputs movable now, once. A capped
         native allocator releases nothing by itself: release values for the refused request and
         retry, as long as each round releases something."""
@@ -724,12 +731,17 @@ class Runtime(_C.RuntimeBase):
             self.num_retries += 1
             if rng is not None:
                 rng[0].set_state(rng[1])  # replay from the same generator state, as if it ran once
+            refusals = _refusals_here()
             try:
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
             except _Refused as again:
                 # Drop the traceback: it holds this frame, whose locals hold the op's tensors, in a
                 # cycle that only the garbage collector would break.
                 e = again.with_traceback(None)
+                continue
+            if _refusals_here() != refusals:
+                self.fallbacks.note(name or str(func), recompute)
+            return out
         raise _with_figures(e)
 
     def allocating(self, fn, *args):
@@ -837,4 +849,5 @@ class Runtime(_C.RuntimeBase):
             s[f"num_pins.{reason}"] = self.residency.pin_counts.get(reason, 0)
         s.update(self.swap.stats() if self.swap is not None else NO_SWAP_STATS)
         s.update(_cupy.stats(self))
+        s.update(self.fallbacks.stats())
         return s
