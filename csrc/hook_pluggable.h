@@ -4,8 +4,9 @@
 // On CUDA, PyTorch reaches libpymem_cuda.so through CUDAPluggableAllocator; the library takes its
 // blocks from the provider made here, i.e. from an Arena of pymem._C, whose pressure handler runs
 // the runtime's policy and whose refusals are thrown through the library as ArenaRefusal, c10's
-// OutOfMemoryError (allocator_install.h), which pymem turns into pymem.OutOfBudgetError. The pluggable CPU allocator sends CPU tensors down that same path, with
-// the library on a fake CUDA table over host memory: how the whole route runs in tests without a GPU.
+// OutOfMemoryError (allocator_install.h), which pymem turns into pymem.OutOfBudgetError. The
+// pluggable CPU allocator sends CPU tensors down that same path, with the library on a fake CUDA
+// table over host memory: how the whole route runs in tests without a GPU.
 #pragma once
 
 #include <c10/core/StorageImpl.h>

@@ -3,7 +3,8 @@ reached the way PyTorch reaches it on a GPU (alloc/free entry points with CUDAPl
 signatures), with the library on a fake CUDA table over host memory. CPU tensors go down that route
 through the pluggable CPU hook, so everything but the real CUDA calls runs: the arena's slab from the
 table's cudaMalloc, the pressure handler under the library, refusals thrown through the library (as
-c10's OutOfMemoryError, raised in Python as pymem.OutOfBudgetError), the pass-through after disable, and the CUDA-order rules.
+c10's OutOfMemoryError, raised in Python as pymem.OutOfBudgetError), the pass-through after disable,
+and the CUDA-order rules.
 """
 import gc
 import types
@@ -123,7 +124,8 @@ def test_a_refusal_lets_a_library_that_retries_with_less_go_on(fake):
 # A kernel that asks for an 8 MiB workspace first and goes on with 64 KiB when refused (as cuDNN's).
 _LIB = torch.library.Library("pymem_test_fallback", "DEF")
 _LIB.define("workspace_add(Tensor x) -> Tensor")
-_LIB.impl("workspace_add", lambda x: x + pymem._C.allocate_first_that_fits([8 << 20, 64 << 10]), "CPU")
+_ASKS = [8 << 20, 64 << 10]  # what it asks for, in turn
+_LIB.impl("workspace_add", lambda x: x + pymem._C.allocate_first_that_fits(_ASKS), "CPU")
 _WORKSPACE_ADD = torch.ops.pymem_test_fallback.workspace_add.default
 
 
@@ -154,6 +156,38 @@ def test_a_kernel_that_went_on_with_less_memory_is_counted_and_named_once(fake, 
     finally:
         rt.stop()
     assert pymem._C.take_last_refusal() is None  # each note took its refusal: nothing stale is left
+
+
+def test_a_request_beyond_reach_releases_nothing(fake):
+    """Releasing every value would not make room for it: it is refused at once and the values stay.
+    Before, each was released first, to be recomputed for nothing while cuDNN went on to ask for a
+    smaller workspace; a plain op's refusal kept nothing either."""
+    rt = Runtime(2 << 20, hook=hooks.CudaLibHook(0, cuda_lib.load(), route="cpu"))
+    rt.start()
+    try:
+        x = torch.ones(1 << 16)
+        rt.pin(x, "user")  # 256 KiB that stay
+        kept = [x * i for i in range(2, 5)]  # 768 KiB of values with recipes: releasable
+
+        def beyond_reach():  # within the budget, 64 KiB more than the free and releasable bytes
+            releasable = sum(r.nbytes for r, _ in rt.pressure._candidates(waiting=True))
+            ask = rt.arena.main_free_bytes + releasable + (64 << 10)
+            assert releasable >= 3 << 18 and ask <= rt.budget, (releasable, ask)
+            return ask
+
+        _ASKS[0] = beyond_reach()
+        try:
+            with pytest.warns(RuntimeWarning, match="went on with less memory"):
+                y = _WORKSPACE_ADD(x)  # refused, 64 KiB granted
+        finally:
+            _ASKS[0] = 8 << 20
+        with pytest.raises(pymem.OutOfBudgetError):
+            torch.empty(beyond_reach(), dtype=torch.uint8)
+        stats = rt.memory_stats()
+        assert stats["num_evictions"] == 0 and not any(rt.is_evicted(t) for t in kept), stats
+        assert torch.equal(y, x + (64 << 10)) and torch.equal(kept[2], torch.full((1 << 16,), 4.0))
+    finally:
+        rt.stop()
 
 
 def test_after_disable_the_library_passes_requests_to_cuda_malloc(fake):

@@ -96,6 +96,8 @@ class PressureHandler:
         self.rng = random.Random(0) if sampling else None
         self._allocs = -1   # the arena's allocation count when we last ran: same -> same request
         self._freed = 0     # bytes released one at a time for the pending request
+        self._large = rt.budget // 4  # requests from this size up are first checked to be in reach
+        self._beyond = False  # the pending request is beyond reach (_beyond_reach)
         # Time spent here, inside some op's allocation: the runtime takes it out of that op's
         # measured cost, which would otherwise depend on whether the op happened to hit pressure.
         # Per thread: the handler runs on the allocating thread, and another thread's handling while
@@ -126,6 +128,12 @@ class PressureHandler:
         if fresh:
             self._allocs, self._freed = allocs, 0
             rt.sweep()  # values whose last tensor died are freed already: count them as evicted
+            self._beyond = request >= self._large and self._beyond_reach(request)
+        elif self._beyond:  # asked again (after compaction: still no bytes released)
+            self._beyond = self._beyond_reach(request)
+        if self._beyond:
+            return  # refused with nothing released: the caller may ask for less (cuDNN does)
+        if fresh:
             # The free bytes cover it, only not in one block: slide them together first where the
             # moves cost less than the comeback of what a release would take.
             if not self.uses_window and rt.arena.main_free_bytes >= request and compact_for(rt, request, by_moves):
@@ -147,6 +155,23 @@ class PressureHandler:
                 compact_for(rt, request)
         elif not compact_for(rt, request):
             self._release_window(request)
+
+    def _beyond_reach(self, request: int) -> bool:
+        """Releasing every value would still leave fewer than ``request`` bytes free in the main
+        region. Then nothing is released: the request fails either way, and the caller may go on
+        with less (cuDNN asks for its largest workspace first and, refused, for less; releasing
+        every activation for it cost their recomputes for nothing). Asked of large requests only
+        (``_large``): the loop over the table is Python."""
+        rt = self.rt
+        swap = rt.swap
+        if swap is not None and (swap.in_flight or swap.out_flight):
+            return False  # copies in flight free device blocks as they finish
+        total = rt.arena.main_free_bytes
+        for r, _ in self._candidates(waiting=True):
+            if total >= request:
+                return False
+            total += r.nbytes
+        return total < request
 
     def _moves_cheaper(self, request: int, moved: int, movable: list) -> bool:
         """Whether moving ``moved`` bytes costs less than what releasing would: the comebacks of the
