@@ -354,6 +354,8 @@ def memory_summary() -> str:
         ("host copies now / peak", f"{format_bytes(s.get('host_bytes', 0))} / {format_bytes(s.get('host_bytes.peak', 0))}"),
         ("compactions (moved)", f"{s.get('num_compactions', 0)} ({format_bytes(s.get('moved_bytes', 0))})"),
         ("pressure events", str(s.get("num_pressure_events", 0))),
+        ("kernel fallbacks", f"{s.get('num_kernel_fallbacks', 0)} ({s.get('num_kernel_fallbacks.recompute', 0)} "
+                             f"recomputing; ran with less memory than asked, e.g. cuDNN)"),
         ("fragmentation now", f"{s.get('fragmentation.largest_free', 0.0):.1%} (1 - largest free / free)"),
     ]
     width = max(len(k) for k, _ in rows)
