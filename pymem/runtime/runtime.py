@@ -28,7 +28,7 @@ from .threads import ThreadCoverage
 from .records import ArgRef, Recipe, Record, Slot
 from .residency import Residency
 from .verify import RestoreCheck
-from .swap import NO_SWAP_STATS, Swapper
+from .swap import _HEADROOM_SHARE, NO_SWAP_STATS, Swapper
 
 _Tensor = torch.Tensor
 _weakref = weakref.ref
@@ -177,7 +177,7 @@ class Runtime(_C.RuntimeBase):
         self.swap: Optional[Swapper] = None
         if director.name != "never":
             self.swap = Swapper(self, director, self.link_bandwidth, conf.prefetch and conf.allocator == "arena",
-                                headroom=budget // 8, host_budget=conf.host_budget)
+                                headroom=budget // _HEADROOM_SHARE, host_budget=conf.host_budget)
         self.residency.swap = self.swap
         self.residency.offload_leaves = conf.offload_leaves and self.swap is not None
         if conf.verify:

@@ -57,7 +57,8 @@ from .. import compaction_plan, restore_order
 from ..errors import OutOfBudgetError
 from ..gpus import LAUNCH_SECONDS, gpu_cost_model, gpu_spec
 from ..policies import EvictedNeighbourhood, Planned, get_director, get_policy
-from ..runtime.swap import _BACKLOG_READS, _LEAD, _MAX_LEAD_BOOST, _OUT_QUEUE_BYTES, _PREFETCH_DEPTH, BacklogWindow
+from ..runtime.swap import (_BACKLOG_READS, _HEADROOM_SHARE, _LEAD, _MAX_LEAD_BOOST, _OUT_QUEUE_BYTES,
+                            _PREFETCH_DEPTH, BacklogWindow)
 from .trace import Trace
 
 NEW, RESIDENT, EVICTED, OFFLOADED, GONE = range(5)
@@ -233,7 +234,7 @@ class Simulator:
         # Copies back ahead of use (swap.py's prefetch): by the plan's next read (a heap), else the
         # newest offloaded first; at most _PREFETCH_DEPTH in flight, only into free memory.
         self.prefetch = prefetch
-        self.headroom = self.budget // 8  # as the runtime's (runtime.py)
+        self.headroom = self.budget // _HEADROOM_SHARE  # as the runtime's (runtime.py)
         self.away_planned: List[tuple] = []
         self.away_stack: List[int] = []
         self.in_flight: Dict[int, float] = {}
