@@ -397,6 +397,39 @@ def test_free_bytes_that_cover_a_request_are_slid_together_not_released_for(mana
         assert torch.equal(ts[i], x * (i + 2))
 
 
+@pytest.mark.parametrize("small", [1, 2])
+def test_a_compaction_is_weighed_with_the_cost_models_launch_for_every_block_it_moves(managed, small):
+    """Free bytes in holes between small leaves: sliding the leaves aside or releasing R (beside the
+    last hole) both make room for a 2 MiB tensor. With a cost model each block moved is a copy with
+    the launch that R's recompute estimate holds too: one block slides, two cost more than R's
+    recompute and R is released (priced by bytes alone, two blocks slid as well)."""
+    from pymem.cost_model import CostModel
+    hole = (2 * MiB + 200 * 1024) // (small + 1) // 512 * 512
+    source = torch.randn(3 * MiB // 8)  # 1.5 MiB, made before enable: outside the budget
+    main = (small + 1) * hole + small * 64 * 1024 + 3 * MiB // 2 + 100 * 1024
+    pymem.enable(main * 256 // 255 + 8192, policy="dtr", plan="off", cost=CostModel(1e12, 1e12, 1e-3))
+    holes, leaves = [], []
+    for i in range(small + 1):
+        if i:
+            with pymem.no_recompute():
+                leaves.append(torch.full((16 * 1024,), float(i)))  # 64 KiB, never released
+        holes.append(source.new_empty(hole // 4).fill_(1.0))
+    r = source * 2
+    del holes
+    before = pymem.memory_stats()
+    big = torch.zeros(MiB // 2)  # 2 MiB
+    st = pymem.memory_stats()
+    if small == 1:
+        assert st["num_compactions"] - before["num_compactions"] == 1 and st["num_evictions"] == 0, st
+    else:
+        assert st["num_evictions"] - before["num_evictions"] == 1 and pymem.is_evicted(r), st
+    assert st["allocated_bytes.peak"] <= st["budget_bytes"]
+    del big
+    assert torch.equal(r, source * 2)
+    for i, leaf in enumerate(leaves):
+        assert torch.equal(leaf, torch.full((16 * 1024,), float(i + 1)))
+
+
 def test_an_input_a_pending_recompute_waits_for_is_moved_aside_not_released(managed):
     """Bringing t = a + b[:n] back recomputes a, then b. For b only a, which t's recompute still
     reads, is left to release, and the free bytes cover b in two holes: a is slid aside, since

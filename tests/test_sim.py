@@ -141,6 +141,56 @@ def test_a_compaction_is_priced_as_a_copy_on_the_device():
     assert out["overhead"] == pytest.approx((4 * LAUNCH_SECONDS + out["compaction_seconds"]) / (4 * LAUNCH_SECONDS))
 
 
+def _holes_between_small_blocks(small: int):
+    """x (1 MiB, a leaf), then ``small`` leaves of 64 KiB, each after a value that dies (the holes
+    hold 2.2 MiB together), then R (1.5 MiB, made from x by an op of 6 us on an H100: a launch
+    and 2 us of FLOPs) beside the last hole, and 100 KiB free above it; then a 2 MiB value fits
+    once the small leaves slide aside (the holes join) or once R goes (its bytes join the last
+    hole). Returns the trace, R, and the budget whose main region is exactly that."""
+    hole = (2 * MiB + 200 * 1024) // (small + 1) // 512 * 512
+    ops, values = [("mk", 1.0, [], [0])], [[MiB, 0, 0, -1]]
+    holes = []
+    for i in range(small + 1):
+        if i:
+            ops.append(("mk", 1.0, [], [len(values)]))
+            values.append([64 * 1024, len(ops) - 1, 0, -1])
+        ops.append(("mk", 1.0, [], [len(values)]))
+        holes.append(len(values))
+        values.append([hole, len(ops) - 1, 0, -1])
+    r = len(values)
+    ops.append(("f", 1.0, [0], [r]))
+    values.append([3 * MiB // 2, len(ops) - 1, 1, -1])
+    for h in holes:
+        values[h][3] = len(ops) - 1  # die once R is made
+    ops.append(("big", 1.0, [], [r + 1]))
+    values.append([2 * MiB, len(ops) - 1, 0, -1])
+    ops.append(("use", 1.0, [r, r + 1], [r + 2]))
+    values.append([1024, len(ops) - 1, 0, -1])
+    t = _trace(ops, [tuple(v) for v in values])
+    t.op_flops[values[r][1]] = int(2e-6 * gpu_spec("h100").tensor_flops)
+    main = MiB + (small + 1) * hole + small * 64 * 1024 + 3 * MiB // 2 + 100 * 1024
+    return t, r, main * 256 // 255 + 8192
+
+
+@pytest.mark.parametrize("small", [1, 2])
+def test_a_compaction_is_weighed_with_a_launch_for_every_block_it_moves(small):
+    """Pressure weighs sliding the free bytes together against releasing (pressure.py): each block
+    a compaction moves is a copy with its launch, as R's recompute (6 us) holds one. One small
+    block moved (4 us and its bytes) costs less: it slides; two cost 8 us: R goes instead (priced
+    by their bytes alone, they slid too, and the replay then charged 8 us for them)."""
+    t, r, budget = _holes_between_small_blocks(small)
+    sim = Simulator(t, budget, policy="dtr", device="h100")
+    assert sim.main_end - sim.arena.base >= t.value_bytes[:r + 2].sum() - (small + 1) * t.value_bytes[1]
+    out = sim.run()
+    assert out["status"] == "ok" and out["peak_bytes"] <= out["budget_bytes"], out
+    if small == 1:
+        assert out["compactions"] == 1 and out["evictions"] == 0 and out["moved_bytes"] == 64 * 1024, out
+    else:
+        # R went for the 2 MiB value (its recompute for the last op then slides what it must).
+        assert sim.released == [r] and sim.released_at == [r + 1] and out["recomputes"] == 1, out
+        assert out["recompute_seconds"] == pytest.approx(6e-6)
+
+
 def _inputs_apart(in_place=False):
     """A and B (leaves) with a dead spacer between them, then an op that reads both and makes 2 MiB:
     in 5 MiB, [A | free 1 | B | free 1.9] holds it only once an input moves, which no compaction may

@@ -91,14 +91,15 @@ def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
 def compact_for(rt, request: int, worth: Optional[Callable[[int, List[int]], bool]] = None) -> bool:
     """Release and move so that ``request`` fits in one block; False when no segment can hold it.
     ``worth``: only by moves (the arena's plan_moves, csrc/move_plan.h), and only if
-    ``worth(bytes to move, the movable addresses)`` says so (else nothing is done)."""
+    ``worth(bytes to move, block moves at most, the movable addresses)`` says so (else nothing is
+    done). The block moves: the plan's moves and the blocks of its window, each of which may slide."""
     if not rt.can_compact:
         return False
     movable = movable_blocks(rt)
     if worth is not None:
         addrs = list(movable)
         chosen = rt.arena.plan_moves(request, addrs)
-        if chosen is None or not worth(chosen[3], addrs):
+        if chosen is None or not worth(chosen[3], len(chosen[1]) + len(chosen[2]), addrs):
             return False
         seg_movable, moves, window, _ = chosen
         seg, victims = None, []

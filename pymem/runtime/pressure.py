@@ -123,7 +123,7 @@ class PressureHandler:
     def _make_room(self, request: int, window) -> None:
         rt = self.rt
         allocs = rt.arena.num_allocs
-        by_moves = lambda moved, movable: self._moves_cheaper(request, moved, movable)  # noqa: E731
+        by_moves = lambda moved, blocks, movable: self._moves_cheaper(request, moved, blocks, movable)  # noqa: E731
         fresh = allocs != self._allocs  # a new request (the arena calls us again until it fits)
         if fresh:
             self._allocs, self._freed = allocs, 0
@@ -173,8 +173,8 @@ class PressureHandler:
             total += r.nbytes
         return total < request
 
-    def _moves_cheaper(self, request: int, moved: int, movable: list) -> bool:
-        """Whether moving ``moved`` bytes costs less than what releasing would: the comebacks of the
+    def _moves_cheaper(self, request: int, moved: int, blocks: int, movable: list) -> bool:
+        """Whether moving ``moved`` bytes in at most ``blocks`` block moves costs less than what releasing would: the comebacks of the
         values released, lowest score first, until ``request`` fits, or where their bytes reach it
         first, those and the moves of the compaction that follows (one that gathers nearly all the
         free bytes may move most of the arena, where a few releases leave it little to move)."""
@@ -183,9 +183,9 @@ class PressureHandler:
 
         def then(freed: set) -> float:  # the arena is as compact_for's picture (movable) found it
             after = rt.arena.plan_moves(request, movable, list(freed))
-            return math.inf if after is None else rt.move_seconds(after[3])
+            return math.inf if after is None else rt.move_seconds(after[3], len(after[1]) + len(after[2]))
         path = release_path_seconds_in(rt.arena, request, order, comeback_seconds, then)
-        return path is None or rt.move_seconds(moved) < path
+        return path is None or rt.move_seconds(moved, blocks) < path
 
     def _release_order(self) -> list:
         """Every candidate as (address, record), in the order releases take them: lowest score

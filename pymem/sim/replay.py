@@ -485,7 +485,7 @@ class Simulator:
     # --- the pressure handler (pressure.py's protocol) ---
     def _on_pressure(self, request: int, _window) -> None:  # searches windows itself, when it wants one
         allocs = self.arena.num_allocs
-        by_moves = lambda moved, movable: self._moves_cheaper(request, moved, movable)  # noqa: E731
+        by_moves = lambda moved, blocks, movable: self._moves_cheaper(request, moved, blocks, movable)  # noqa: E731
         fresh = allocs != self._allocs
         if fresh:
             self._allocs, self._freed = allocs, 0
@@ -517,8 +517,8 @@ class Simulator:
     def _lowest(self) -> Optional[_Value]:
         return min((v for v in self.by_addr.values() if self._releasable(v)), key=self._release_key, default=None)
 
-    def _moves_cheaper(self, request: int, moved: int, movable: List[int]) -> bool:
-        """pressure._moves_cheaper: moving ``moved`` bytes costs less than the comebacks of the
+    def _moves_cheaper(self, request: int, moved: int, blocks: int, movable: List[int]) -> bool:
+        """pressure._moves_cheaper: moving ``moved`` bytes in at most ``blocks`` block moves costs less than the comebacks of the
         values released, lowest score first, until ``request`` fits (or until their bytes reach
         it, and the moves of the compaction after them)."""
         order = sorted(((a, v) for a, v in self.by_addr.items() if self._releasable(v)),
@@ -526,14 +526,15 @@ class Simulator:
 
         def then(freed: set) -> float:
             after = self.arena.plan_moves(request, movable, list(freed))
-            return math.inf if after is None else self._move_seconds(after[3])
+            return math.inf if after is None else self._move_seconds(after[3], len(after[1]) + len(after[2]))
         path = compaction_plan.release_path_seconds_in(self.arena, request, order, compaction_plan.comeback_seconds,
                                                        then)
-        return path is None or self._move_seconds(moved) < path
+        return path is None or self._move_seconds(moved, blocks) < path
 
-    def _move_seconds(self, nbytes: int) -> float:
-        """Moving ``nbytes`` on the device (launches left out: a price to compare, as the runtime's)."""
-        return nbytes / self.move_bytes_per_s if self.move_bytes_per_s else 0.0
+    def _move_seconds(self, nbytes: int, blocks: int) -> float:
+        """Moving ``nbytes`` in at most ``blocks`` copies on the device (a price to compare, as the
+        runtime's): each a launch, as each recompute's op cost holds one."""
+        return nbytes / self.move_bytes_per_s + blocks * self.launch if self.move_bytes_per_s else 0.0
 
     def _movable(self) -> Dict[int, tuple]:
         """compaction.movable_blocks: addr -> (value, None, releasable) for the blocks that may move
@@ -588,7 +589,7 @@ class Simulator:
         if worth is not None:
             addrs = list(movable)
             chosen = self.arena.plan_moves(request, addrs)
-            if chosen is None or not worth(chosen[3], addrs):
+            if chosen is None or not worth(chosen[3], len(chosen[1]) + len(chosen[2]), addrs):
                 return False
             _, moves, window, _ = chosen
             for old, new in moves:
