@@ -88,7 +88,7 @@ def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
     return bool(slid)
 
 
-def compact_for(rt, request: int, worth: Optional[Callable[[int, List[int]], bool]] = None) -> bool:
+def compact_for(rt, request: int, worth: Optional[Callable[[int, int, List[int]], bool]] = None) -> bool:
     """Release and move so that ``request`` fits in one block; False when no segment can hold it.
     ``worth``: only by moves (the arena's plan_moves, csrc/move_plan.h), and only if
     ``worth(bytes to move, block moves at most, the movable addresses)`` says so (else nothing is

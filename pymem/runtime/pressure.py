@@ -174,10 +174,11 @@ class PressureHandler:
         return total < request
 
     def _moves_cheaper(self, request: int, moved: int, blocks: int, movable: list) -> bool:
-        """Whether moving ``moved`` bytes in at most ``blocks`` block moves costs less than what releasing would: the comebacks of the
-        values released, lowest score first, until ``request`` fits, or where their bytes reach it
-        first, those and the moves of the compaction that follows (one that gathers nearly all the
-        free bytes may move most of the arena, where a few releases leave it little to move)."""
+        """Whether moving ``moved`` bytes in at most ``blocks`` block moves costs less than what
+        releasing would: the comebacks of the values released, lowest score first, until
+        ``request`` fits, or where their bytes reach it first, those and the moves of the
+        compaction that follows (one that gathers nearly all the free bytes may move most of the
+        arena, where a few releases leave it little to move)."""
         rt = self.rt
         order = self._release_order()
 

@@ -518,9 +518,9 @@ class Simulator:
         return min((v for v in self.by_addr.values() if self._releasable(v)), key=self._release_key, default=None)
 
     def _moves_cheaper(self, request: int, moved: int, blocks: int, movable: List[int]) -> bool:
-        """pressure._moves_cheaper: moving ``moved`` bytes in at most ``blocks`` block moves costs less than the comebacks of the
-        values released, lowest score first, until ``request`` fits (or until their bytes reach
-        it, and the moves of the compaction after them)."""
+        """pressure._moves_cheaper: moving ``moved`` bytes in at most ``blocks`` block moves costs
+        less than the comebacks of the values released, lowest score first, until ``request``
+        fits (or until their bytes reach it, and the moves of the compaction after them)."""
         order = sorted(((a, v) for a, v in self.by_addr.items() if self._releasable(v)),
                        key=lambda av: self._release_key(av[1]))
 
@@ -583,7 +583,7 @@ class Simulator:
                 self._release(v)
         return True
 
-    def _compact(self, request: int, worth: Optional[Callable[[int, List[int]], bool]] = None) -> bool:
+    def _compact(self, request: int, worth: Optional[Callable[[int, int, List[int]], bool]] = None) -> bool:
         """compaction.compact_for: with ``worth``, by moves alone (the arena's plan_moves)."""
         movable = self._movable()
         if worth is not None:
