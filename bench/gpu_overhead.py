@@ -24,7 +24,10 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 COUNTERS = ("allocated_bytes.peak", "num_evictions", "num_rematerializations", "remat_seconds", "offloaded_bytes",
             "swap_seconds", "pressure_seconds", "num_late_uses", "num_ops", "num_compactions", "num_swap_ins",
-            "num_prefetches", "num_copies_ahead")
+            "num_prefetches", "num_copies_ahead",
+            # each cancelled prefetch synchronizes the compute stream (swap.cancel_one); moves are
+            # priced per block with a cost model's launch: how often each happened on the GPU
+            "num_prefetches_cancelled", "num_moved_blocks", "moved_bytes", "num_kernel_fallbacks")
 
 
 def child(budget: int, offload: str, steps: int, batch: int, seq: int, profile: bool) -> dict:
