@@ -129,33 +129,29 @@ std::vector<uintptr_t> cheapest_window(const Segment& seg, const std::unordered_
 std::optional<MovePlan> plan_moves(const std::vector<Block>& blocks, const std::unordered_set<uintptr_t>& movable,
                                    const std::unordered_set<uintptr_t>& freed, uint64_t request) {
   const std::vector<Segment> segments = segments_of(blocks, movable, freed);
-  const Segment* best = nullptr;
-  std::vector<std::pair<uintptr_t, uintptr_t>> best_moves;
+  std::optional<MovePlan> best;
   for (const Segment& seg : segments) {
     std::vector<std::pair<uintptr_t, uintptr_t>> moves;
     const int64_t deficit =
         evacuate(seg, segments, static_cast<int64_t>(request) - static_cast<int64_t>(seg.free), moves);
     if (deficit > 0) continue;  // nothing may be released here
-    if (best == nullptr || seg.movable_bytes < best->movable_bytes) {
-      best = &seg;
-      best_moves = std::move(moves);
+    MovePlan plan;
+    std::unordered_set<uintptr_t> gone;
+    for (const auto& [from, to] : moves) {
+      gone.insert(from);
+      for (const Piece& p : seg.pieces)
+        if (p.addr == from) plan.bytes_to_move += p.size;
     }
+    uint64_t slid = 0;
+    plan.window = cheapest_window(seg, gone, request, &slid);
+    plan.bytes_to_move += slid;
+    if (best && plan.bytes_to_move >= best->bytes_to_move) continue;  // the first of equal ones
+    for (const Piece& p : seg.pieces)
+      if (p.allocated) plan.segment_movable.push_back(p.addr);
+    plan.moves = std::move(moves);
+    best = std::move(plan);
   }
-  if (best == nullptr) return std::nullopt;
-  MovePlan plan;
-  std::unordered_set<uintptr_t> gone;
-  for (const Piece& p : best->pieces)
-    if (p.allocated) plan.segment_movable.push_back(p.addr);
-  for (const auto& [from, to] : best_moves) {
-    gone.insert(from);
-    for (const Piece& p : best->pieces)
-      if (p.addr == from) plan.bytes_to_move += p.size;
-  }
-  uint64_t slid = 0;
-  plan.window = cheapest_window(*best, gone, request, &slid);
-  plan.bytes_to_move += slid;
-  plan.moves = std::move(best_moves);
-  return plan;
+  return best;
 }
 
 ReleasePath release_path(const std::vector<Block>& blocks, const std::vector<uintptr_t>& order, uint64_t request,

@@ -14,10 +14,11 @@
 // are moved, largest first (of equal sizes, the lower address first), each into the smallest
 // free block of another segment that holds it (of equal sizes the first in address order), until
 // the segment's free bytes plus those moved out cover the request; a segment where they do not is
-// not a candidate. Of the candidates the one with the fewest movable bytes wins (the first of
-// equal ones). Then the window: of the runs of the chosen segment that end with a free block and
-// hold the request free (moved-out blocks counted free), the one with the fewest allocated bytes
-// to slide; the whole segment where none does.
+// not a candidate. Each candidate's window: of the runs of the segment that end with a free block
+// and hold the request free (moved-out blocks counted free), the one with the fewest allocated
+// bytes to slide; the whole segment where none does. Of the candidates the one that moves the
+// fewest bytes wins (moved out plus slid; the first of equal ones): a segment's movable bytes,
+// the measure before, counted blocks its window leaves in place.
 //
 // Invariants: pure (reads the block list it is given); deterministic; `blocks` in address order,
 // main region first, as Arena::blocks() returns them.

@@ -91,8 +91,13 @@ def plan(blocks, request: int, movable: Dict[int, tuple], release_key: Callable,
                 deficit -= size
                 if deficit <= 0:
                     break
-        moved_bytes = sum(n for _, n in seg.movable)
-        if cost < best_key[0] or (cost == best_key[0] and moved_bytes < best_key[1]):
+        if cost > best_key[0]:
+            continue
+        sizes = dict(seg.movable)
+        released = {id(r) for r in victims}
+        gone = {a for a, _ in moves} | {a for _, r, a, _ in seg.releasable if id(r) in released}
+        moved_bytes = sum(sizes[a] for a, _ in moves) + sum(sizes[a] for a in cheapest_window(seg, gone, request))
+        if cost < best_key[0] or moved_bytes < best_key[1]:
             best, best_key = (seg, moves, victims), (cost, moved_bytes)
     return best
 

@@ -148,3 +148,24 @@ def test_the_release_path_walked_in_cpp_prices_what_the_python_walk_prices(ops, 
         want = compaction_plan.release_path_seconds(arena.blocks(), request, order, price, then_)
         got = compaction_plan.release_path_seconds_in(arena, request, order, price, then_)
         assert got == want
+
+
+def test_the_segment_chosen_is_the_one_that_moves_the_fewest_bytes():
+    """Two segments (apart at a block that may not move) each hold the request free, scattered. The
+    first has fewer movable bytes, but its request fits only by sliding its 2-unit block; the
+    second fits by sliding one unit between two holes and leaves its 5-unit block in place. Both
+    plans, Python's and the arena's, slide the one unit."""
+    sizes = [(1, False), (2, True), (2, False), (1, True), (5, True), (1, False), (1, True), (2, False)]
+    arena = _C.Arena(sum(n for n, _ in sizes) * UNIT, "virtual", small_threshold=0)
+    addrs = [arena.allocate(n * UNIT) for n, _ in sizes]
+    for a, (_, allocated) in zip(addrs, sizes):
+        if not allocated:
+            arena.free(a)
+    pinned = addrs[3]
+    movable = [a for a, (_, allocated) in zip(addrs, sizes) if allocated and a != pinned]
+    seg, moves, victims = compaction_plan.plan(arena.blocks(), 3 * UNIT, {a: (a, None, False) for a in movable},
+                                               lambda v: 0, lambda v: 0.0)
+    assert not moves and not victims and [a for a, _ in seg.movable] == [addrs[4], addrs[6]]
+    assert compaction_plan.cheapest_window(seg, set(), 3 * UNIT) == [addrs[6]]
+    got = arena.plan_moves(3 * UNIT, movable)
+    assert list(got[0]) == [addrs[4], addrs[6]] and not got[1] and list(got[2]) == [addrs[6]] and got[3] == UNIT
