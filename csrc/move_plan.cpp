@@ -18,7 +18,6 @@ struct Piece {  // one block of a segment
 struct Segment {
   std::vector<Piece> pieces;  // free and movable blocks, address order
   uint64_t free = 0;
-  uint64_t movable_bytes = 0;
 };
 
 struct Hole {
@@ -42,7 +41,6 @@ std::vector<Segment> segments_of(const std::vector<Block>& blocks, const std::un
       continue;
     }
     segments.back().pieces.push_back({b.addr, b.size, true});
-    segments.back().movable_bytes += b.size;
   }
   return segments;
 }
