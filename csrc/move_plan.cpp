@@ -135,11 +135,9 @@ std::optional<MovePlan> plan_moves(const std::vector<Block>& blocks, const std::
     if (deficit > 0) continue;  // nothing may be released here
     MovePlan plan;
     std::unordered_set<uintptr_t> gone;
-    for (const auto& [from, to] : moves) {
-      gone.insert(from);
-      for (const Piece& p : seg.pieces)
-        if (p.addr == from) plan.bytes_to_move += p.size;
-    }
+    for (const auto& [from, to] : moves) gone.insert(from);
+    for (const Piece& p : seg.pieces)  // one pass: every candidate segment is priced
+      if (gone.count(p.addr)) plan.bytes_to_move += p.size;
     uint64_t slid = 0;
     plan.window = cheapest_window(seg, gone, request, &slid);
     plan.bytes_to_move += slid;

@@ -93,10 +93,8 @@ def plan(blocks, request: int, movable: Dict[int, tuple], release_key: Callable,
                     break
         if cost > best_key[0]:
             continue
-        sizes = dict(seg.movable)
-        released = {id(r) for r in victims}
-        gone = {a for a, _ in moves} | {a for _, r, a, _ in seg.releasable if id(r) in released}
-        moved_bytes = sum(sizes[a] for a, _ in moves) + sum(sizes[a] for a in cheapest_window(seg, gone, request))
+        chosen = {id(r) for r in victims}
+        moved_bytes = bytes_to_move(seg, moves, request, {a for _, r, a, _ in seg.releasable if id(r) in chosen})
         if cost < best_key[0] or moved_bytes < best_key[1]:
             best, best_key = (seg, moves, victims), (cost, moved_bytes)
     return best
@@ -133,12 +131,19 @@ def cheapest_window(seg: _Segment, gone: set, request: int) -> List[int]:
     return [a for a, _, allocated in blocks[lo:hi + 1] if allocated]
 
 
-def bytes_to_move(seg: _Segment, moves: list, request: int) -> int:
-    """What carrying out a plan that releases nothing moves: its moves out of the segment, then
-    the blocks slid (cheapest_window's; those already in place counted too)."""
+def bytes_to_move(seg: _Segment, moves: list, request: int, released: frozenset = frozenset()) -> int:
+    """What carrying out a plan moves: its moves out of the segment, then the blocks slid
+    (cheapest_window's, once the blocks at the addresses in ``released`` are free; those already
+    in place counted too)."""
     sizes = dict(seg.movable)
-    gone = {a for a, _ in moves}
-    return sum(sizes[a] for a in gone) + sum(sizes[a] for a in cheapest_window(seg, gone, request))
+    moved = {a for a, _ in moves}
+    return sum(sizes[a] for a in moved) + sum(sizes[a] for a in cheapest_window(seg, moved | released, request))
+
+
+def block_moves(chosen) -> int:
+    """The block moves of an Arena.plan_moves plan, at most: its moves out, then every block of its
+    window, each of which may slide (a compaction is priced per block: each is a copy)."""
+    return len(chosen[1]) + len(chosen[2])
 
 
 class _PictureBlock(NamedTuple):  # a block of an arena picture that differs from the arena's

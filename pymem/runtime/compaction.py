@@ -99,7 +99,7 @@ def compact_for(rt, request: int, worth: Optional[Callable[[int, int, List[int]]
     if worth is not None:
         addrs = list(movable)
         chosen = rt.arena.plan_moves(request, addrs)
-        if chosen is None or not worth(chosen[3], len(chosen[1]) + len(chosen[2]), addrs):
+        if chosen is None or not worth(chosen[3], _plan.block_moves(chosen), addrs):
             return False
         seg_movable, moves, window, _ = chosen
         seg, victims = None, []

@@ -30,7 +30,7 @@ import time
 
 from .. import _C
 from ..policies import Planned, Policy, sample_candidates
-from ..compaction_plan import comeback_seconds, release_path_seconds_in
+from ..compaction_plan import block_moves, comeback_seconds, release_path_seconds_in
 from .compaction import compact_for
 
 _perf = time.perf_counter
@@ -184,7 +184,7 @@ class PressureHandler:
 
         def then(freed: set) -> float:  # the arena is as compact_for's picture (movable) found it
             after = rt.arena.plan_moves(request, movable, list(freed))
-            return math.inf if after is None else rt.move_seconds(after[3], len(after[1]) + len(after[2]))
+            return math.inf if after is None else rt.move_seconds(after[3], block_moves(after))
         path = release_path_seconds_in(rt.arena, request, order, comeback_seconds, then)
         return path is None or rt.move_seconds(moved, blocks) < path
 

@@ -526,7 +526,7 @@ class Simulator:
 
         def then(freed: set) -> float:
             after = self.arena.plan_moves(request, movable, list(freed))
-            return math.inf if after is None else self._move_seconds(after[3], len(after[1]) + len(after[2]))
+            return math.inf if after is None else self._move_seconds(after[3], compaction_plan.block_moves(after))
         path = compaction_plan.release_path_seconds_in(self.arena, request, order, compaction_plan.comeback_seconds,
                                                        then)
         return path is None or self._move_seconds(moved, blocks) < path
@@ -589,7 +589,7 @@ class Simulator:
         if worth is not None:
             addrs = list(movable)
             chosen = self.arena.plan_moves(request, addrs)
-            if chosen is None or not worth(chosen[3], len(chosen[1]) + len(chosen[2]), addrs):
+            if chosen is None or not worth(chosen[3], compaction_plan.block_moves(chosen), addrs):
                 return False
             _, moves, window, _ = chosen
             for old, new in moves:
