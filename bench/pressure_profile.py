@@ -40,7 +40,7 @@ PARTS = {
     "compaction attempts": ("runtime/compaction.py", "compact_for"),
     "  of which moves (slide)": ("runtime/compaction.py", "_slide"),
     "  of which moves (one block)": ("~", "<built-in method pymem._C.move_block>"),
-    "  of which pricing the releases": ("runtime/pressure.py", "_moves_cheaper"),
+    "pricing the releases (compacting first?)": ("pymem/compaction_plan.py", "release_path_seconds_in"),
     "release lowest": ("runtime/pressure.py", "_release_lowest"),
     "swap.after_op": ("runtime/swap.py", "after_op"),
 }

@@ -172,6 +172,9 @@ PYBIND11_MODULE(PYMEM_MODULE_NAME, m) {
   m.def("movable_blocks", &pymem::movable_blocks, py::arg("table"), py::arg("cache"), py::arg("lo"), py::arg("hi"),
         py::arg("busy"), py::arg("leaf_ok"),
         "{addr: (record, StorageRef, releasable)} for every block of [lo, hi) that may move now (movable.h).");
+  m.def("movable_addresses", &pymem::movable_addresses, py::arg("table"), py::arg("cache"), py::arg("lo"),
+        py::arg("hi"), py::arg("busy"),
+        "The addresses of movable_blocks' blocks alone, as a list (movable.h): the moves-only question's input.");
   m.def("sweep_records", &pymem::sweep_records, py::arg("table"), py::arg("mark_gone"), py::arg("cache"),
         "Runtime.sweep's scan (csrc/sweep.h): drop the records whose storage died; the records left that may be orphaned leaves.");
   m.def("interception_included", &pymem::included_on_this_thread);

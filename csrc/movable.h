@@ -26,4 +26,11 @@ namespace pymem {
 pybind11::dict movable_blocks(pybind11::dict table, pybind11::dict cache, uintptr_t lo, uintptr_t hi,
                               const std::vector<uintptr_t>& busy, pybind11::handle leaf_ok);
 
+// The addresses of those blocks alone, in the same walk: what the moves-only question (the arena's
+// plan_moves) reads. The pressure handler asks it at most new requests and usually answers
+// "release"; the dict's tuples and StorageRefs cost most of its walk, and are made only when the
+// answer is "move" (movable_blocks then).
+std::vector<uintptr_t> movable_addresses(pybind11::dict table, pybind11::dict cache, uintptr_t lo, uintptr_t hi,
+                                         const std::vector<uintptr_t>& busy);
+
 }  // namespace pymem

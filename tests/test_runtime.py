@@ -618,6 +618,9 @@ def test_the_blocks_that_may_move_are_the_values_in_memory_nothing_holds_in_plac
         assert m[addr["locked"]][2] is False  # moves, is not released
         assert addr["pinned"] not in m and addr["running"] not in m
         assert all(entry[0] is not gone for entry in m.values())
+        # What the moves-only question reads (compact_for with `worth`): the same blocks' addresses.
+        addrs = pymem._C.movable_addresses(rt.table, rt.cache, rt.lo, rt.main_hi, [addr["running"]])
+        assert sorted(addrs) == sorted(m)
     finally:
         rt.running.pop()
         record(pinned).pins -= 1

@@ -51,13 +51,44 @@ def _busy_addresses(rt) -> set:
     return busy
 
 
-def movable_blocks(rt) -> Dict[int, tuple]:
-    """addr -> (record, StorageRef, releasable) for every block of the main region that may move now
-    (csrc/movable.h: the table's values in memory and not pinned, then the recompute cache's)."""
+def _unmovable(rt) -> list:
+    """Addresses that may not move now: the running kernels' inputs and what copies out ahead read."""
     busy = _busy_addresses(rt)
     if rt.swap is not None:  # a copy out ahead reads these
         busy.update(src.untyped_storage().data_ptr() for _, src, _ in rt.swap.out_flight.values())
-    return _C.movable_blocks(rt.table, rt.cache, rt.lo, rt.main_hi, list(busy), rt.residency.leaf_rule())
+    return list(busy)
+
+
+class MovableAddresses:
+    """The addresses of the blocks that may move now (csrc/movable.h), found on first use, and their
+    records and StorageRefs, looked up only to move them: a question the pressure handler asks at most
+    new requests, and that usually ends in releasing instead. One picture of the arena: taken and
+    used under the runtime's lock, with nothing allocated or freed between."""
+
+    __slots__ = ("rt", "_addrs", "_unmovable")
+
+    def __init__(self, rt) -> None:
+        self.rt, self._addrs, self._unmovable = rt, None, None
+
+    @property
+    def addresses(self) -> List[int]:
+        if self._addrs is None:
+            rt = self.rt
+            self._unmovable = _unmovable(rt)
+            self._addrs = _C.movable_addresses(rt.table, rt.cache, rt.lo, rt.main_hi, self._unmovable)
+        return self._addrs
+
+    def blocks(self) -> Dict[int, tuple]:
+        """movable_blocks for the same picture (releasable left False for leaves: nothing is released)."""
+        rt = self.rt
+        self.addresses  # noqa: B018 (the picture's unmovable addresses)
+        return _C.movable_blocks(rt.table, rt.cache, rt.lo, rt.main_hi, self._unmovable, None)
+
+
+def movable_blocks(rt) -> Dict[int, tuple]:
+    """addr -> (record, StorageRef, releasable) for every block of the main region that may move now
+    (csrc/movable.h: the table's values in memory and not pinned, then the recompute cache's)."""
+    return _C.movable_blocks(rt.table, rt.cache, rt.lo, rt.main_hi, _unmovable(rt), rt.residency.leaf_rule())
 
 
 def plan(rt, request: int, movable: Dict[int, tuple]):
@@ -88,22 +119,24 @@ def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
     return bool(slid)
 
 
-def compact_for(rt, request: int, worth: Optional[Callable[[int, int, List[int]], bool]] = None) -> bool:
+def compact_for(rt, request: int, worth: Optional[Callable[[int, int], bool]] = None,
+                picture: Optional[MovableAddresses] = None) -> bool:
     """Release and move so that ``request`` fits in one block; False when no segment can hold it.
-    ``worth``: only by moves (the arena's plan_moves, csrc/move_plan.h), and only if
-    ``worth(bytes to move, block moves at most, the movable addresses)`` says so (else nothing is
+    ``worth``: only by moves (the arena's plan_moves, csrc/move_plan.h, over ``picture``'s
+    addresses), and only if ``worth(bytes to move, block moves at most)`` says so (else nothing is
     done). The block moves: the plan's moves and the blocks of its window, each of which may slide."""
     if not rt.can_compact:
         return False
-    movable = movable_blocks(rt)
     if worth is not None:
-        addrs = list(movable)
-        chosen = rt.arena.plan_moves(request, addrs)
-        if chosen is None or not worth(chosen[3], _plan.block_moves(chosen), addrs):
+        picture = picture if picture is not None else MovableAddresses(rt)
+        chosen = rt.arena.plan_moves(request, picture.addresses)
+        if chosen is None or not worth(chosen[3], _plan.block_moves(chosen)):
             return False
+        movable = picture.blocks()
         seg_movable, moves, window, _ = chosen
         seg, victims = None, []
     else:
+        movable = movable_blocks(rt)
         chosen = plan(rt, request, movable)
         if chosen is None:
             return False

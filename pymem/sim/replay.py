@@ -15,7 +15,7 @@ simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, 
   locked value may move); a functional kernel refused its outputs runs once more after every
   block that may move, its inputs included, slides together (runtime.run_again);
 - under pressure the handler compacts first where the free bytes cover the request and the moves
-  cost less than the releases would (pressure._moves_cheaper), else releases the lowest-scoring
+  cost less than the releases would (pressure._compact_first), else releases the lowest-scoring
   value one at a time while the bytes released for the request fall short of it, and compacts once
   they do not (Coop's window search for ``coop``); a released value is offloaded when it has a host copy already (an earlier
   offload's, a copy out ahead's) or the director says so (leaves are only ever offloaded, and only
@@ -485,11 +485,10 @@ class Simulator:
     # --- the pressure handler (pressure.py's protocol) ---
     def _on_pressure(self, request: int, _window) -> None:  # searches windows itself, when it wants one
         allocs = self.arena.num_allocs
-        by_moves = lambda moved, blocks, movable: self._moves_cheaper(request, moved, blocks, movable)  # noqa: E731
         fresh = allocs != self._allocs
         if fresh:
             self._allocs, self._freed = allocs, 0
-            if not self.uses_window and self.arena.main_free_bytes >= request and self._compact(request, by_moves):
+            if not self.uses_window and self.arena.main_free_bytes >= request and self._compact_first(request):
                 return
         if self.uses_window:
             if not self._release_window(request) and not self._compact(request):
@@ -500,7 +499,7 @@ class Simulator:
             # so where the free bytes cover the request, sliding them together goes first (asked
             # above already on a request's first call, with nothing changed since).
             if (best is None or best.waits > 0) and not fresh and self.arena.main_free_bytes >= request and \
-                    self._compact(request, by_moves):
+                    self._compact_first(request):
                 return
             freed = self._release_lowest(request, best)
             self._freed += freed
@@ -517,19 +516,25 @@ class Simulator:
     def _lowest(self) -> Optional[_Value]:
         return min((v for v in self.by_addr.values() if self._releasable(v)), key=self._release_key, default=None)
 
-    def _moves_cheaper(self, request: int, moved: int, blocks: int, movable: List[int]) -> bool:
-        """pressure._moves_cheaper: moving ``moved`` bytes in at most ``blocks`` block moves costs
-        less than the comebacks of the values released, lowest score first, until ``request``
-        fits (or until their bytes reach it, and the moves of the compaction after them)."""
+    def _compact_first(self, request: int) -> bool:
+        """pressure._compact_first: by moves alone where moving costs less than the comebacks of the
+        values released, lowest score first, until ``request`` fits (or until their bytes reach it,
+        and the moves of the compaction after them); the releases priced first, and no move
+        planned where they cost nothing."""
         order = sorted(((a, v) for a, v in self.by_addr.items() if self._releasable(v)),
                        key=lambda av: self._release_key(av[1]))
+        movable = self._movable()
+        addrs = list(movable)
 
         def then(freed: set) -> float:
-            after = self.arena.plan_moves(request, movable, list(freed))
+            after = self.arena.plan_moves(request, addrs, list(freed))
             return math.inf if after is None else self._move_seconds(after[3], compaction_plan.block_moves(after))
         path = compaction_plan.release_path_seconds_in(self.arena, request, order, compaction_plan.comeback_seconds,
                                                        then)
-        return path is None or self._move_seconds(moved, blocks) < path
+        if path == 0.0:
+            return False
+        return self._compact(request, lambda moved, blocks: path is None or self._move_seconds(moved, blocks) < path,
+                             movable)
 
     def _move_seconds(self, nbytes: int, blocks: int) -> float:
         """Moving ``nbytes`` in at most ``blocks`` copies on the device (a price to compare, as the
@@ -583,13 +588,15 @@ class Simulator:
                 self._release(v)
         return True
 
-    def _compact(self, request: int, worth: Optional[Callable[[int, int, List[int]], bool]] = None) -> bool:
-        """compaction.compact_for: with ``worth``, by moves alone (the arena's plan_moves)."""
-        movable = self._movable()
+    def _compact(self, request: int, worth: Optional[Callable[[int, int], bool]] = None,
+                 movable: Optional[Dict[int, tuple]] = None) -> bool:
+        """compaction.compact_for: with ``worth``, by moves alone (the arena's plan_moves), over
+        ``movable`` where the caller found it already."""
+        if movable is None:
+            movable = self._movable()
         if worth is not None:
-            addrs = list(movable)
-            chosen = self.arena.plan_moves(request, addrs)
-            if chosen is None or not worth(chosen[3], compaction_plan.block_moves(chosen), addrs):
+            chosen = self.arena.plan_moves(request, list(movable))
+            if chosen is None or not worth(chosen[3], compaction_plan.block_moves(chosen)):
                 return False
             _, moves, window, _ = chosen
             for old, new in moves:
