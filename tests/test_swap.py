@@ -659,3 +659,30 @@ def test_cuda_copies_out_ahead_run_on_a_stream_of_their_own(monkeypatch):
     assert t["offload_copy_seconds"] == t["copy_ahead_seconds"]
     c.close()
     assert ("stream sync", 2) in log and ("stream sync", 3) in log
+
+
+@pytest.mark.parametrize("name", ["gpt", "cnn"])
+def test_the_in_trigger_remembered_answers_as_the_whole_test_would(managed, name, monkeypatch):
+    """swap.after_op answers "hold the planned head back" from what the last such test read
+    (_still_quiet) until that test could pass: every time it does, the whole test (the head's next
+    read and the backlog behind it, over the copies in flight now) holds it back too, and training
+    stays bitwise equal under the budget."""
+    from pymem.runtime import swap as swap_mod
+
+    remembered = swap_mod.Swapper._still_quiet
+    answered = []
+
+    def checked(self, plan, head):
+        quiet = remembered(self, plan, head)
+        if quiet:
+            r = head[2]()
+            d = plan.seconds_to_next_use(r)
+            margin = swap_mod._LEAD * self.lead.get(r.trace_value, 1.0) * r.swap_cost
+            assert d is not None and d > margin and not self._behind(plan, margin - r.swap_cost)
+            answered.append(d)
+        return quiet
+
+    monkeypatch.setattr(swap_mod.Swapper, "_still_quiet", checked)
+    stats = trained_bitwise_equal(managed, name, 0.3, "dtr", offload="always", plan="auto")
+    assert stats["num_prefetches"] > 0, stats
+    assert answered, "the remembered answer was never used"

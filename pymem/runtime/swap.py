@@ -95,6 +95,7 @@ class BacklogWindow:
 
     def __init__(self) -> None:
         self.valid = False
+        self.version = 0  # changes whenever latest() may: what Swapper's quiet head remembers
 
     def build(self, keys: list, reads: list, last_key, more: bool) -> None:
         """``keys``, ``reads`` ((read time, copy seconds)): the window's entries, in queue order;
@@ -109,6 +110,7 @@ class BacklogWindow:
             suffix[i] = min(terms[i], suffix[i + 1])
         self.keys, self.seconds, self.suffix = keys, [c for _, c in reads], suffix
         self.taken, self.offset, self.last_key, self.more, self.valid = 0, 0.0, last_key, more, True
+        self.version += 1
 
     def latest(self) -> float:
         return self.suffix[self.taken] + self.offset
@@ -117,6 +119,7 @@ class BacklogWindow:
         """The queue's head (``key``) was taken."""
         if not self.valid:
             return
+        self.version += 1
         j = self.taken
         if j < len(self.keys) and self.keys[j] == key:
             self.offset += self.seconds[j]
@@ -440,6 +443,11 @@ class Swapper:
         # In-trigger boosts by trace value (Capuchin's feedback): how many times further ahead of
         # its read a value's copy back starts, doubled each time a use of it had to wait.
         self.lead: Dict[int, float] = {}
+        # The planned head whose in-trigger last held it back, and what that test read: (heap entry,
+        # window version, its read's planned time, its margin, the backlog's latest start, the copies
+        # in flight's seconds then, the backlog's margin). Until that test could pass, after_op
+        # answers it from these (_still_quiet).
+        self._quiet: Optional[tuple] = None
         self.num_late_uses = 0
         self.seconds = 0.0  # the calling thread's time in copies and waits
 
@@ -612,6 +620,7 @@ class Swapper:
         if plan is None or plan.seconds_to_next_use(r) is None:
             return  # no plan placed it: nothing to move earlier
         self.num_late_uses += 1
+        self._quiet = None  # its margin grows
         v = r.trace_value
         self.lead[v] = min(self.lead.get(v, 1.0) * 2.0, _MAX_LEAD_BOOST)
 
@@ -648,9 +657,12 @@ class Swapper:
                 # In-trigger: not before its read is a few copies away (a value the plan released
                 # early stays away until then), unless the copies queued behind it would then come
                 # too late for their reads; None: the step left its plan, bring it when it fits.
+                if self._still_quiet(plan, planned[0]):
+                    return
                 d = plan.seconds_to_next_use(r)
                 margin = _LEAD * self.lead.get(r.trace_value, 1.0) * r.swap_cost
                 if d is not None and d > margin and not self._behind(plan, margin - r.swap_cost):
+                    self._remember_quiet(plan, planned[0], r, margin)
                     return
             # Best fit takes the largest free block last: a contiguous headroom stays either way.
             if arena.largest_free_block < r.nbytes + self.headroom + self.backoff:
@@ -670,6 +682,40 @@ class Swapper:
             with own_work():
                 self.in_flight[r] = (buf, self.copier.start(buf, r.host))
 
+    def _still_quiet(self, plan, head: tuple) -> bool:
+        """The in-trigger would hold ``head`` back again: the test that last held it back read what
+        it reads now (the same head and backlog window), and what moved since only delays it: the
+        plan's clock, against which both margins are measured as the same float expressions (while
+        the clock is short of the read, the read is still the head's next); the copies in flight,
+        which only finish (none starts while the head waits), so their busy seconds only fall. The
+        answer the whole test gives, without its next-use lookup and its sum over the copies in
+        flight, after most ops while values are away."""
+        quiet = self._quiet
+        if quiet is None or quiet[0] is not head or not self.window.valid or quiet[1] != self.window.version:
+            return False
+        now = plan.planned_seconds_before()
+        if now is None:
+            return False
+        _, _, read_at, margin, latest, busy, behind_margin = quiet
+        return read_at - now > margin and latest - now - busy > behind_margin
+
+    def _remember_quiet(self, plan, head: tuple, r: Record, margin: float) -> None:
+        """The in-trigger held ``head`` back (after _behind, which left the window valid): what
+        _still_quiet reads."""
+        window = self.window
+        at = plan.next_use_at(r)  # the read its test measured to (later ops come before it: see above)
+        read_at = None if at is None else math.inf if at == _NONE else plan.planned_seconds_before(at)
+        if read_at is None or not window.valid:
+            self._quiet = None
+            return
+        self._quiet = (head, window.version, read_at, margin, window.latest(), self._busy_seconds(),
+                       margin - r.swap_cost)
+
+    def _busy_seconds(self) -> float:
+        """The copies back in flight and not done yet, in copy seconds."""
+        done = self.copier.done
+        return sum(q.swap_cost for q, (_, h) in self.in_flight.items() if not done(h))
+
     def _behind(self, plan, margin: float) -> bool:
         """Whether the queue of planned copies back is so long that the next must start now: some
         read among the next ones would wait otherwise, by the plan's clock, after the copies in
@@ -688,9 +734,7 @@ class Swapper:
                     keys.append((at, tie))
                     reads.append((t, q.swap_cost))
             window.build(keys, reads, head[-1][:2] if head else None, len(self.planned) > len(head))
-        done = self.copier.done
-        busy = sum(q.swap_cost for q, (_, h) in self.in_flight.items() if not done(h))
-        return window.latest() - now - busy <= margin
+        return window.latest() - now - self._busy_seconds() <= margin
 
     def _worth_prefetching(self, r: Record) -> bool:
         """Offloaded, not back yet, and a tensor still holds its storage (so some later op may read
