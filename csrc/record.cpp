@@ -44,6 +44,7 @@ int record_traverse(PyObject* self, visitproc visit, void* arg) {
 int record_clear(PyObject* self) {
   auto* r = reinterpret_cast<RecordObject*>(self);
   each_object(r, [](PyObject*& o) { Py_CLEAR(o); });
+  r->sref_value = nullptr;
   StorageRef* native = r->native_sref;
   r->native_sref = nullptr;
   delete native;
@@ -59,6 +60,7 @@ PyObject* get_sref(PyObject* self, void*) {
       delete r->native_sref;
       r->native_sref = nullptr;
       Py_XSETREF(r->sref, made);
+      r->sref_value = &pybind11::handle(made).cast<const StorageRef&>();
     } catch (pybind11::error_already_set& e) {
       e.restore();
       return nullptr;
@@ -73,8 +75,16 @@ int set_sref(PyObject* self, PyObject* value, void*) {
   auto* r = reinterpret_cast<RecordObject*>(self);
   delete r->native_sref;
   r->native_sref = nullptr;
+  const StorageRef* found = nullptr;  // anything but a StorageRef (None) leaves the cast to storage_ref_of
+  if (value != nullptr && value != Py_None) {
+    try {
+      found = &pybind11::handle(value).cast<const StorageRef&>();
+    } catch (pybind11::cast_error&) {
+    }
+  }
   Py_XINCREF(value);
   Py_XSETREF(r->sref, value);
+  r->sref_value = found;
   return 0;
 }
 
@@ -157,10 +167,12 @@ void set_native_sref(RecordObject* r, const StorageRef& ref) {
   delete r->native_sref;
   r->native_sref = made;
   Py_CLEAR(r->sref);
+  r->sref_value = nullptr;
 }
 
 const StorageRef* storage_ref_of(const RecordObject* r) {
   if (r->native_sref != nullptr) return r->native_sref;
+  if (r->sref_value != nullptr) return r->sref_value;
   if (r->sref == nullptr || r->sref == Py_None) return nullptr;
   return &pybind11::handle(r->sref).cast<const StorageRef&>();
 }

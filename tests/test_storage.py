@@ -87,3 +87,30 @@ def test_relocate_follows_a_compacted_block_for_every_view():
     assert torch.equal(view, torch.arange(100.0, 200.0)) and torch.equal(t, torch.arange(8192.0))
     del t, view
     assert arena.stats()["allocated_bytes.current"] == 0  # the new address was freed at death
+
+
+def test_the_storage_ref_cpp_reads_is_the_one_python_set_last():
+    """A record's `sref` set from Python is read by C++ (the sweep, the movable blocks) through a
+    pointer found once at the assignment: each assignment replaces it, None clears it."""
+    live = torch.empty(4096, dtype=torch.uint8)
+    dying = torch.empty(4096, dtype=torch.uint8)
+    r = _C.RecordBase()
+    table = {1: r}
+
+    def movable():
+        return list(_C.movable_blocks(table, {}, 0, 2**63, [], None))
+
+    r.sref = _C.StorageRef(dying)
+    assert movable() == [dying.data_ptr()]
+    r.sref = _C.StorageRef(live)
+    assert movable() == [live.data_ptr()]
+    r.sref = _C.StorageRef(dying)
+    del dying
+    _C.sweep_records(table, None, {})  # its storage died: dropped
+    assert table == {}
+    table[1] = r
+    r.sref = _C.StorageRef(live)
+    _C.sweep_records(table, None, {})  # the live one it holds now: kept
+    assert table == {1: r} and movable() == [live.data_ptr()]
+    r.sref = None
+    assert movable() == []
