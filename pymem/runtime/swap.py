@@ -681,6 +681,7 @@ class Swapper:
                 _C.set_allocation_class(previous)
             with own_work():
                 self.in_flight[r] = (buf, self.copier.start(buf, r.host))
+            self._quiet = None  # the copies in flight grew: what it read no longer bounds them
 
     def _still_quiet(self, plan, head: tuple) -> bool:
         """The in-trigger would hold ``head`` back again: the test that last held it back read what
