@@ -13,7 +13,7 @@ ops; its checkpointed peak is 0.34 of its plain one); tinygpt: pymem.demo_models
 Printed per step (ms, and calls): the handler in all; its compaction attempts without the moves
 themselves (compact_for less the arena's moves); the moves (memmove on the CPU, queued copies on a
 GPU); pricing the releases that compacting first is weighed against (the release path,
-pressure.py); releasing the lowest-scoring value; and swap.after_op, which runs after every op
+compaction_plan.release_path_seconds_in, asked first by pressure.py's _compact_first); releasing the lowest-scoring value; and swap.after_op, which runs after every op
 while values are offloaded. Cumulative times under cProfile: its own overhead inflates Python, so
 compare builds with this script, not with wall-clock figures.
 """
