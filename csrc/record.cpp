@@ -43,8 +43,8 @@ int record_traverse(PyObject* self, visitproc visit, void* arg) {
 
 int record_clear(PyObject* self) {
   auto* r = reinterpret_cast<RecordObject*>(self);
+  r->sref_value = nullptr;  // first: clearing the fields below may run Python that reads the record
   each_object(r, [](PyObject*& o) { Py_CLEAR(o); });
-  r->sref_value = nullptr;
   StorageRef* native = r->native_sref;
   r->native_sref = nullptr;
   delete native;
@@ -83,8 +83,8 @@ int set_sref(PyObject* self, PyObject* value, void*) {
     }
   }
   Py_XINCREF(value);
+  r->sref_value = found;  // before the old value goes: its dealloc may run Python that reads the record
   Py_XSETREF(r->sref, value);
-  r->sref_value = found;
   return 0;
 }
 
