@@ -68,20 +68,18 @@ class MovableAddresses:
     __slots__ = ("rt", "_addrs", "_unmovable")
 
     def __init__(self, rt) -> None:
-        self.rt, self._addrs, self._unmovable = rt, None, None
+        self.rt, self._addrs, self._unmovable = rt, None, _unmovable(rt)  # the few running inputs: cheap
 
     @property
     def addresses(self) -> List[int]:
-        if self._addrs is None:
+        if self._addrs is None:  # the walk over the table: only where moves are priced
             rt = self.rt
-            self._unmovable = _unmovable(rt)
             self._addrs = _C.movable_addresses(rt.table, rt.cache, rt.lo, rt.main_hi, self._unmovable)
         return self._addrs
 
     def blocks(self) -> Dict[int, tuple]:
         """movable_blocks for the same picture (releasable left False for leaves: nothing is released)."""
         rt = self.rt
-        self.addresses  # noqa: B018 (the picture's unmovable addresses)
         return _C.movable_blocks(rt.table, rt.cache, rt.lo, rt.main_hi, self._unmovable, None)
 
 
