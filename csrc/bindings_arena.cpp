@@ -270,6 +270,22 @@ Arena(budget, backing="host", small_threshold=16384, small_region=None, search="
            "movable addresses, [(from, to)] moves, the addresses to slide after them, bytes moved in\n"
            "all), or None. `movable`: addresses of blocks that may move; `freed`: allocated blocks to\n"
            "count as free.")
+      .def("plan_compaction",
+           [](const Arena& a, long long request, const std::vector<uintptr_t>& movable,
+              const std::vector<uintptr_t>& order, const py::function& cost_of) -> py::object {
+             const std::unordered_set<uintptr_t> m(movable.begin(), movable.end());
+             std::optional<CompactionPlan> p = plan_compaction(
+                 a.blocks(), m, {}, order, check_size(request, "request"),
+                 [&cost_of](size_t i) { return cost_of(i).cast<double>(); });
+             if (!p) return py::none();
+             return py::make_tuple(p->moves.segment_movable, p->moves.moves, p->moves.window,
+                                   p->moves.bytes_to_move, p->released);
+           },
+           py::arg("request"), py::arg("movable"), py::arg("order"), py::arg("cost_of"),
+           "The compaction that makes `request` fit, releasing in the chosen segment where moves alone\n"
+           "fall short (move_plan.h): as plan_moves, plus the indices into `order` (addresses of\n"
+           "releasable blocks, lowest score first) to release before sliding; or None. `cost_of(i)`:\n"
+           "what releasing order[i] costs (asked only for the releases a candidate takes).")
       .def("release_path",
            [](const Arena& a, long long request, const std::vector<uintptr_t>& order) -> py::tuple {
              std::vector<size_t> taken;

@@ -124,30 +124,73 @@ std::vector<uintptr_t> cheapest_window(const Segment& seg, const std::unordered_
 
 }  // namespace
 
-std::optional<MovePlan> plan_moves(const std::vector<Block>& blocks, const std::unordered_set<uintptr_t>& movable,
-                                   const std::unordered_set<uintptr_t>& freed, uint64_t request) {
+std::optional<CompactionPlan> plan_compaction(const std::vector<Block>& blocks,
+                                              const std::unordered_set<uintptr_t>& movable,
+                                              const std::unordered_set<uintptr_t>& freed,
+                                              const std::vector<uintptr_t>& order, uint64_t request,
+                                              const std::function<double(size_t)>& cost_of) {
   const std::vector<Segment> segments = segments_of(blocks, movable, freed);
-  std::optional<MovePlan> best;
-  for (const Segment& seg : segments) {
+  // Each segment's releasable blocks, in `order`'s order: (index into order, size).
+  std::vector<std::vector<std::pair<size_t, uint64_t>>> pools(segments.size());
+  if (!order.empty()) {
+    std::unordered_map<uintptr_t, std::pair<size_t, uint64_t>> where;  // allocated piece -> (segment, size)
+    for (size_t si = 0; si < segments.size(); ++si)
+      for (const Piece& p : segments[si].pieces)
+        if (p.allocated) where.emplace(p.addr, std::make_pair(si, p.size));
+    for (size_t i = 0; i < order.size(); ++i) {
+      const auto it = where.find(order[i]);
+      if (it != where.end()) pools[it->second.first].emplace_back(i, it->second.second);
+    }
+  }
+  std::optional<CompactionPlan> best;
+  for (size_t si = 0; si < segments.size(); ++si) {
+    const Segment& seg = segments[si];
     std::vector<std::pair<uintptr_t, uintptr_t>> moves;
-    const int64_t deficit =
-        evacuate(seg, segments, static_cast<int64_t>(request) - static_cast<int64_t>(seg.free), moves);
-    if (deficit > 0) continue;  // nothing may be released here
-    MovePlan plan;
-    std::unordered_set<uintptr_t> gone;
+    int64_t deficit = evacuate(seg, segments, static_cast<int64_t>(request) - static_cast<int64_t>(seg.free), moves);
+    std::unordered_set<uintptr_t> gone;  // moved out, then released too
     for (const auto& [from, to] : moves) gone.insert(from);
-    for (const Piece& p : seg.pieces)  // one pass: every candidate segment is priced
-      if (gone.count(p.addr)) plan.bytes_to_move += p.size;
+    std::vector<size_t> released;
+    double cost = 0.0;
+    if (deficit > 0) {
+      uint64_t releasable = 0;
+      for (const auto& [i, size] : pools[si])
+        if (gone.count(order[i]) == 0) releasable += size;
+      if (releasable < static_cast<uint64_t>(deficit)) continue;  // no release here makes it fit
+      for (const auto& [i, size] : pools[si]) {
+        if (gone.count(order[i])) continue;
+        released.push_back(i);
+        cost += cost_of(i);
+        deficit -= static_cast<int64_t>(size);
+        if (deficit <= 0) break;
+      }
+    }
+    if (best && cost > best->release_cost) continue;
+    uint64_t moved = 0;
+    for (const Piece& p : seg.pieces)  // the moves out (one pass: every candidate is priced)
+      if (gone.count(p.addr)) moved += p.size;
+    for (size_t i : released) gone.insert(order[i]);
     uint64_t slid = 0;
-    plan.window = cheapest_window(seg, gone, request, &slid);
-    plan.bytes_to_move += slid;
-    if (best && plan.bytes_to_move >= best->bytes_to_move) continue;  // the first of equal ones
+    std::vector<uintptr_t> window = cheapest_window(seg, gone, request, &slid);
+    moved += slid;
+    if (best && !(cost < best->release_cost || moved < best->moves.bytes_to_move)) continue;
+    CompactionPlan plan;
     for (const Piece& p : seg.pieces)
-      if (p.allocated) plan.segment_movable.push_back(p.addr);
-    plan.moves = std::move(moves);
+      if (p.allocated) plan.moves.segment_movable.push_back(p.addr);
+    plan.moves.moves = std::move(moves);
+    plan.moves.window = std::move(window);
+    plan.moves.bytes_to_move = moved;
+    plan.released = std::move(released);
+    plan.release_cost = cost;
     best = std::move(plan);
   }
   return best;
+}
+
+std::optional<MovePlan> plan_moves(const std::vector<Block>& blocks, const std::unordered_set<uintptr_t>& movable,
+                                   const std::unordered_set<uintptr_t>& freed, uint64_t request) {
+  std::optional<CompactionPlan> p = plan_compaction(blocks, movable, freed, {}, request, nullptr);
+  if (!p) return std::nullopt;
+  return std::move(p->moves);
 }
 
 ReleasePath release_path(const std::vector<Block>& blocks, const std::vector<uintptr_t>& order, uint64_t request,

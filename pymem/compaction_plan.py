@@ -3,10 +3,11 @@ move or be released: which segment between unmovable blocks to clear, what to mo
 what to release in it so that a request fits once the segment slides together. Pure: the runtime
 (runtime/compaction.py) and the simulator (sim/replay.py) both plan with it and carry the plan out.
 
-Two questions the pressure handler asks at most requests run in C++ over the arena itself
-(csrc/move_plan.h): the plan by moves alone (``plan`` with nothing releasable, then
-``bytes_to_move``: Arena.plan_moves, also ``bytes_to_move_after``'s question) and the release path's
-walk (Arena.release_path, priced by ``release_path_seconds_in``). The Python here is the reference
+The plans the runtime and the simulator carry out run in C++ over the arena itself
+(csrc/move_plan.h): by moves alone (``plan`` with nothing releasable, then ``bytes_to_move``:
+Arena.plan_moves, also ``bytes_to_move_after``'s question), the general plan (``plan`` with
+releases: Arena.plan_compaction, asked through ``plan_in``) and the release path's walk
+(Arena.release_path, priced by ``release_path_seconds_in``). The Python ``plan`` is the reference
 tests/test_compaction_plan.py holds them to.
 """
 import math
@@ -98,6 +99,21 @@ def plan(blocks, request: int, movable: Dict[int, tuple], release_key: Callable,
         if cost < best_key[0] or moved_bytes < best_key[1]:
             best, best_key = (seg, moves, victims), (cost, moved_bytes)
     return best
+
+
+def plan_in(arena, request: int, movable, addrs: List[int], values: list, scores: list,
+            cost_of: Callable[[int], float]):
+    """Arena.plan_compaction over ``values`` (releasable, at ``addrs``, scored ``scores``), released
+    in the order compaction_plan.plan takes them: what no restore waits for first, then by score,
+    the lower address of equal ones first. ``cost_of(i)``: releasing values[i]. The runtime's and
+    the simulator's plan: None, or (the segment's movable addresses, moves, the window to slide
+    after them and the releases, bytes moved, the values to release)."""
+    order = sorted(range(len(addrs)), key=lambda i: (values[i].waits > 0, values[i].need_rank, scores[i], addrs[i]))
+    chosen = arena.plan_compaction(request, list(movable), [addrs[i] for i in order], lambda j: cost_of(order[j]))
+    if chosen is None:
+        return None
+    seg_movable, moves, window, moved, released = chosen
+    return seg_movable, moves, window, moved, [values[order[j]] for j in released]
 
 
 def cheapest_window(seg: _Segment, gone: set, request: int) -> List[int]:

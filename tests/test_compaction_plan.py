@@ -169,3 +169,59 @@ def test_the_segment_chosen_is_the_one_that_moves_the_fewest_bytes():
     assert compaction_plan.cheapest_window(seg, set(), 3 * UNIT) == [addrs[6]]
     got = arena.plan_moves(3 * UNIT, movable)
     assert list(got[0]) == [addrs[4], addrs[6]] and not got[1] and list(got[2]) == [addrs[6]] and got[3] == UNIT
+
+
+@settings(max_examples=300, deadline=None)
+@given(ARENA_OPS, st.integers(1, 30), st.integers(0, 2**32 - 1))
+def test_the_general_plan_in_cpp_is_the_python_plan(ops, request_units, seed):
+    """Arena.plan_compaction picks the segment, moves, releases (in the order given, each priced by
+    ``cost_of``), window and byte count that compaction_plan's plan, cheapest_window and
+    bytes_to_move give, on random arenas: a random part of the blocks fixed, a random part of the
+    movable ones releasable, with random scores (ties included) and costs."""
+    rng = random.Random(seed)
+    arena = _random_arena(ops, rng)
+    allocated = [b.addr for b in arena.blocks() if b.allocated]
+    movable = {a: (a, None, rng.random() < 0.6) for a in allocated if rng.random() < 0.8}
+    score = {a: rng.randrange(4) for a in movable}
+    cost = {a: rng.choice([0.0, 1.0, 2.0, 0.5 * rng.randrange(8)]) for a in movable}
+    request = request_units * UNIT
+    want = compaction_plan.plan(arena.blocks(), request, movable, score.__getitem__, cost.__getitem__)
+    # The order the runtime passes: releasable blocks by score, of equal scores the lower address first.
+    order = sorted((a for a, m in movable.items() if m[2]), key=lambda a: (score[a], a))
+    asked = []
+
+    def cost_of(i):
+        asked.append(i)
+        return cost[order[i]]
+    got = arena.plan_compaction(request, list(movable), order, cost_of)
+    if want is None:
+        assert got is None
+        return
+    seg, moves, victims = want
+    released = {a for a in victims}
+    window = compaction_plan.cheapest_window(seg, {a for a, _ in moves} | released, request)
+    assert got is not None
+    assert list(got[0]) == [a for a, _ in seg.movable]
+    assert [tuple(m) for m in got[1]] == [tuple(m) for m in moves]
+    assert list(got[2]) == window
+    assert got[3] == compaction_plan.bytes_to_move(seg, moves, request, released)
+    assert [order[i] for i in got[4]] == victims
+    assert set(asked) >= set(got[4])  # every release taken was priced
+
+
+def test_the_general_plan_releases_in_the_segment_where_moves_alone_fall_short():
+    """A | B C . with A unmovable: moves alone leave three units apart in two holes, so the request
+    of three is met by releasing B (the only releasable block) and sliding C (one unit) up
+    against the end; four units fit nowhere."""
+    sizes = [(1, True), (2, True), (1, True), (1, False)]
+    arena = _C.Arena(sum(n for n, _ in sizes) * UNIT, "virtual", small_threshold=0)
+    addrs = [arena.allocate(n * UNIT) for n, _ in sizes]
+    arena.free(addrs[3])
+    movable = [addrs[1], addrs[2]]
+    assert arena.plan_moves(3 * UNIT, movable) is None
+    got = arena.plan_compaction(3 * UNIT, movable, [addrs[1]], lambda i: 5.0)
+    assert got is not None
+    seg_movable, moves, window, moved, released = got
+    assert list(seg_movable) == movable and not moves and released == [0]
+    assert list(window) == [addrs[2]] and moved == UNIT
+    assert arena.plan_compaction(4 * UNIT, movable, [addrs[1]], lambda i: 5.0) is None

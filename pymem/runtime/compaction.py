@@ -90,23 +90,24 @@ def movable_blocks(rt) -> Dict[int, tuple]:
 
 
 def plan(rt, request: int, movable: Dict[int, tuple]):
-    """compaction_plan.plan on the arena now: waited-on inputs of a pending recompute are released
-    last, the one needed soonest last of all. Scores come from the release scan in one call where
-    the policy has one (the same values its evaluate gives)."""
+    """The arena's general compaction plan (Arena.plan_compaction, compaction_plan.plan in C++) now:
+    waited-on inputs of a pending recompute are released last, the one needed soonest last of all.
+    Scores come from the release scan in one call where the policy has one (the same values its
+    evaluate gives). Returns (the segment's movable addresses, moves, window, bytes moved, records
+    to release) or None."""
     now, evaluate, cost = rt.clock, rt.policy.evaluate, rt.policy.block_cost
     handler = rt.pressure
-    releasable = [m[0] for m in movable.values() if m[2]]
+    addrs = [a for a, m in movable.items() if m[2]]
+    releasable = [movable[a][0] for a in addrs]
     scores = handler.scores(releasable)
-    if scores is None:
-        score_of = lambda r: evaluate(r, now)  # noqa: E731
+    scanned = scores is not None
+    if not scanned:
+        scores = [evaluate(r, now) for r in releasable]
+    if scanned and handler.cost_from_score:
+        cost_of = lambda i: max(scores[i], 0.0) * max(releasable[i].nbytes, 1)  # noqa: E731
     else:
-        by_record = {id(r): s for r, s in zip(releasable, scores)}
-        score_of = lambda r: by_record[id(r)]  # noqa: E731
-    if scores is not None and handler.cost_from_score:
-        cost_of = lambda r: max(by_record[id(r)], 0.0) * max(r.nbytes, 1)  # noqa: E731
-    else:
-        cost_of = lambda r: cost(r, now)  # noqa: E731
-    return _plan.plan(rt.arena.blocks(), request, movable, lambda r: (r.waits > 0, r.need_rank, score_of(r)), cost_of)
+        cost_of = lambda i: cost(releasable[i], now)  # noqa: E731
+    return _plan.plan_in(rt.arena, request, movable, addrs, releasable, scores, cost_of)
 
 
 def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:
@@ -132,14 +133,13 @@ def compact_for(rt, request: int, worth: Optional[Callable[[int, int], bool]] = 
             return False
         movable = picture.blocks()
         seg_movable, moves, window, _ = chosen
-        seg, victims = None, []
+        victims = []
     else:
         movable = movable_blocks(rt)
         chosen = plan(rt, request, movable)
         if chosen is None:
             return False
-        seg, moves, victims = chosen
-        seg_movable, window = [a for a, _ in seg.movable], None
+        seg_movable, moves, window, _, victims = chosen
     rt.backend.before_moves()
     keep = []  # nothing moved may die mid-move
     for a in seg_movable:
@@ -159,10 +159,6 @@ def compact_for(rt, request: int, worth: Optional[Callable[[int, int], bool]] = 
         _relocate(rt, movable, old, new)
     for r in victims:
         rt.residency.release(r)
-    if window is None:
-        released = {id(r) for r in victims}
-        gone = {a for a, _ in moves} | {a for _, r, a, _ in seg.releasable if id(r) in released}
-        window = _plan.cheapest_window(seg, gone, request)
     try:
         slid = _slide(rt, movable, window)
     except ValueError:  # stale in the same way

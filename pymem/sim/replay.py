@@ -606,20 +606,20 @@ class Simulator:
                 self._moved(old, new)
             return True
         evaluate, cost, now = self.policy.evaluate, self.policy.block_cost, self.clock
-        chosen = compaction_plan.plan(self.arena.blocks(), request, movable,
-                                      lambda v: (v.waits > 0, v.need_rank, evaluate(v, now)),
-                                      lambda v: cost(v, now))
+        addrs = [a for a, m in movable.items() if m[2]]
+        values = [movable[a][0] for a in addrs]
+        chosen = compaction_plan.plan_in(self.arena, request, movable, addrs, values, [evaluate(v, now) for v in values],
+                                    lambda i: cost(values[i], now))
         if chosen is None:
             return False
-        seg, moves, victims = chosen
+        _, moves, window, _, victims = chosen
         for old, new in moves:
             self.arena.move_block(old, new)
             self._moved(old, new)
         for v in victims:
             if self._releasable(v):
                 self._release(v)
-        gone = {a for a, _ in moves} | {a for _, v, a, _ in seg.releasable if v in victims}
-        for old, new in self.arena.compact(compaction_plan.cheapest_window(seg, gone, request)):
+        for old, new in self.arena.compact(window):
             self._moved(old, new)
         return True
 
