@@ -101,15 +101,19 @@ def plan(blocks, request: int, movable: Dict[int, tuple], release_key: Callable,
     return best
 
 
-def plan_in(arena, request: int, movable, addrs: List[int], values: list, scores: list,
-            cost_of: Callable[[int], float]):
-    """Arena.plan_compaction over ``values`` (releasable, at ``addrs``, scored ``scores``), released
-    in the order compaction_plan.plan takes them: what no restore waits for first, then by score,
-    the lower address of equal ones first. ``cost_of(i)``: releasing values[i]. The runtime's and
-    the simulator's plan: None, or (the segment's movable addresses, moves, the window to slide
-    after them and the releases, bytes moved, the values to release)."""
+def plan_in(arena, request: int, movable: Dict[int, tuple], scores_of: Callable[[list], list],
+            cost_of: Callable[[object, float], float]):
+    """Arena.plan_compaction over ``movable``'s releasable values, released in the order ``plan``
+    takes them: what no restore waits for first, then by score, the lower address of equal ones
+    first. ``scores_of(values)``: their scores, as a list; ``cost_of(value, score)``: releasing one.
+    The runtime's and the simulator's plan: None, or (the segment's movable addresses, moves, the
+    window to slide after them and the releases, bytes moved, the values to release)."""
+    addrs = [a for a, m in movable.items() if m[2]]
+    values = [movable[a][0] for a in addrs]
+    scores = scores_of(values)
     order = sorted(range(len(addrs)), key=lambda i: (values[i].waits > 0, values[i].need_rank, scores[i], addrs[i]))
-    chosen = arena.plan_compaction(request, list(movable), [addrs[i] for i in order], lambda j: cost_of(order[j]))
+    chosen = arena.plan_compaction(request, list(movable), [addrs[i] for i in order],
+                                   lambda j: cost_of(values[order[j]], scores[order[j]]))
     if chosen is None:
         return None
     seg_movable, moves, window, moved, released = chosen

@@ -97,17 +97,15 @@ def plan(rt, request: int, movable: Dict[int, tuple]):
     to release) or None."""
     now, evaluate, cost = rt.clock, rt.policy.evaluate, rt.policy.block_cost
     handler = rt.pressure
-    addrs = [a for a, m in movable.items() if m[2]]
-    releasable = [movable[a][0] for a in addrs]
-    scores = handler.scores(releasable)
-    scanned = scores is not None
-    if not scanned:
-        scores = [evaluate(r, now) for r in releasable]
+    scanned = handler.scan is not None
+
+    def scores_of(records):
+        return handler.scores(records) if scanned else [evaluate(r, now) for r in records]
     if scanned and handler.cost_from_score:
-        cost_of = lambda i: max(scores[i], 0.0) * max(releasable[i].nbytes, 1)  # noqa: E731
+        cost_of = lambda r, s: max(s, 0.0) * max(r.nbytes, 1)  # noqa: E731
     else:
-        cost_of = lambda i: cost(releasable[i], now)  # noqa: E731
-    return _plan.plan_in(rt.arena, request, movable, addrs, releasable, scores, cost_of)
+        cost_of = lambda r, s: cost(r, now)  # noqa: E731
+    return _plan.plan_in(rt.arena, request, movable, scores_of, cost_of)
 
 
 def _slide(rt, movable: Dict[int, tuple], addrs: List[int]) -> bool:

@@ -606,10 +606,8 @@ class Simulator:
                 self._moved(old, new)
             return True
         evaluate, cost, now = self.policy.evaluate, self.policy.block_cost, self.clock
-        addrs = [a for a, m in movable.items() if m[2]]
-        values = [movable[a][0] for a in addrs]
-        chosen = compaction_plan.plan_in(self.arena, request, movable, addrs, values, [evaluate(v, now) for v in values],
-                                    lambda i: cost(values[i], now))
+        chosen = compaction_plan.plan_in(self.arena, request, movable, lambda vs: [evaluate(v, now) for v in vs],
+                                         lambda v, _: cost(v, now))
         if chosen is None:
             return False
         _, moves, window, _, victims = chosen
