@@ -27,6 +27,16 @@ def all_bitwise_equal(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> b
     return len(a) == len(b) and all(bitwise_equal(x, y) for x, y in zip(a, b))
 
 
+def deterministic_cpu() -> None:
+    """CPU kernels that keep their thread count for the rest of the process (MKL's and OpenMP's
+    dynamic adjustment off), so that the unmanaged run a managed one is compared with cannot come
+    out with another rounding on a loaded machine (``pymem.runtime.fixed_threads``). pymem sets the
+    same while it runs on the CPU; this is for the runs outside it."""
+    from .runtime import fixed_threads
+
+    fixed_threads.fix()
+
+
 def deterministic_cuda() -> None:
     """CUDA kernels that give the same bits run after run, as a bitwise comparison of a managed run
     with an unmanaged one needs: deterministic algorithms (warnings only), no TF32, and the math

@@ -4,6 +4,10 @@ import gc
 import pytest
 
 import pymem
+from pymem.testing import deterministic_cpu
+
+# Every test compares with unmanaged runs in this process: on a fixed thread count, as pymem's own.
+deterministic_cpu()
 
 
 @pytest.fixture

@@ -23,6 +23,35 @@ def test_demo_trains_bitwise_identically_inside_the_budget():
     assert evictions > 0
 
 
+
+def _report(ref, got, again, peak_bytes=10):
+    import torch
+
+    from pymem.cli import _demo_report
+
+    st = {"budget_bytes": 20, "allocated_bytes.peak": peak_bytes, "num_evictions": 1, "num_rematerializations": 1,
+          "remat_seconds": 0.0, "num_compactions": 0}
+    as_run = lambda losses: (losses, [torch.tensor(losses)])
+    again = None if again is None else as_run(again)
+    return _demo_report(0.4, 50, (*as_run(ref), 1.0), (*as_run(got), 1.0), st, again)
+
+
+def test_a_demo_mismatch_is_told_apart_from_an_unmanaged_run_that_did_not_reproduce_itself(capsys):
+    # pymem's run matches a second unmanaged run that differs from the first: PyTorch's rounding
+    # varied, and pymem computed what an unmanaged run computes.
+    assert _report([1.0, 2.0], [1.0, 2.5], again=[1.0, 2.5]) == 0
+    out = capsys.readouterr().out
+    assert "bitwise equal (losses and parameters): NO" in out
+    assert "a second unmanaged run: other bits than the first; pymem's run matches it" in out
+    assert "PyTorch itself did not reproduce its own run here" in out
+    # The unmanaged run reproduces itself and pymem's differs: pymem's fault, and the demo fails.
+    assert _report([1.0, 2.0], [1.0, 2.5], again=[1.0, 2.0]) == 1
+    out = capsys.readouterr().out
+    assert "a second unmanaged run: the same bits as the first; pymem's run matches neither" in out
+    assert "did not reproduce" not in out
+    # Bits that match still fail over the budget.
+    assert _report([1.0], [1.0], again=None, peak_bytes=21) == 1
+
 def test_demo_device_is_checked():
     p = run("demo", "--device", "tpu")
     assert p.returncode == 2 and "--device 'tpu' is not a demo device; accepted: cpu, cuda" in p.stderr, p.stderr

@@ -14,7 +14,7 @@ from .. import cost_model as _cost_model
 from .. import cupy as _cupy
 from ..errors import OutOfBudgetError
 from ..policies import Planned, Policy
-from . import interception as _interception, remat, settings as _settings
+from . import fixed_threads, interception as _interception, remat, settings as _settings
 from .backends import ArenaBackend, NativeBackend
 from .hooks import CpuHook, CudaLibHook
 from .ops import in_flight, mutated_tensors, op_info
@@ -230,6 +230,8 @@ class Runtime(_C.RuntimeBase):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        # A recompute must run its op on the threads the first run had (fixed_threads.py).
+        self._dynamic_threads_were = fixed_threads.fix() if self.device.type == "cpu" else ()
         self.backend.install(self)
         self.active = True
         self.interception.start()
@@ -257,6 +259,7 @@ class Runtime(_C.RuntimeBase):
             remat.restore(self, evicted)
             self.table.clear()
             self.cache.clear()
+        fixed_threads.restore(getattr(self, "_dynamic_threads_were", ()))
 
     # ------------------------------------------------------------------ records
     def _new_record(self, t: _Tensor, key: int, cost: float, recipe, op: str) -> Record:
