@@ -1,15 +1,16 @@
 """CPU kernels that keep the thread count they were given, so that a recompute reruns an op the way
 its first run ran it.
 
-MKL, by default (``MKL_DYNAMIC`` true), may run a GEMM on fewer threads than it was given; on a
-loaded machine it now and then does. A GEMM whose inner dimension is split across threads then
-sums in another order: on this project's 2-core VM, 1 run in about 20 of the demo's unmanaged
-reference came out with the one-thread rounding of a weight gradient (step 2's loss 6.123640060
-instead of 6.123639584, what ``torch.set_num_threads(1)`` gives every time). For an unmanaged
-program that is a different rounding from run to run; under pymem a value recomputed on fewer
-threads than its first run would differ from the value it replaces. Intel's condition for
-run-to-run reproducibility is a fixed thread count with MKL_DYNAMIC and OMP_DYNAMIC false (oneMKL
-developer guide, "Reproducibility Conditions"); this module sets both while pymem runs on the CPU.
+MKL, by default (``MKL_DYNAMIC`` true), may run a GEMM on fewer threads than it was given. When a
+GEMM's inner dimension is split across threads, one thread sums in another order. On this
+project's loaded 2-core VM, the demo's unmanaged run now and then came out with the one-thread
+rounding: step 2's loss was 6.123640060 instead of 6.123639584, which ``torch.set_num_threads(1)``
+gives every time. For an unmanaged program that is a different rounding from run to run. Under
+pymem, a value recomputed on fewer threads than its first run would differ from the value it
+replaces. Intel's condition for run-to-run reproducibility is a fixed thread count with
+MKL_DYNAMIC and OMP_DYNAMIC false (oneMKL developer guide, "Reproducibility Conditions"). This
+module sets both while pymem runs on the CPU. It is necessary, not shown to be sufficient: under
+heavier load a process's first unmanaged run still varied (README, Set up).
 
 Reached through ctypes: PyTorch's CPU library exports MKL's service functions and loads libgomp. A
 build without them (no MKL: ARM, some source builds) has nothing to fix here, and nothing is done.
