@@ -68,7 +68,6 @@ def cmd_demo(args) -> int:
 
     import pymem
     from pymem.demo_models import gpt_trainer
-
     from pymem.testing import deterministic_cpu
 
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))

@@ -23,7 +23,6 @@ def test_demo_trains_bitwise_identically_inside_the_budget():
     assert evictions > 0
 
 
-
 def _report(ref, got, again, peak_bytes=10):
     import torch
 

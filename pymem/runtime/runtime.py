@@ -230,9 +230,9 @@ class Runtime(_C.RuntimeBase):
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        self.backend.install(self)
         # A recompute must run its op on the threads the first run had (fixed_threads.py).
         self._dynamic_threads_were = fixed_threads.fix() if self.device.type == "cpu" else ()
-        self.backend.install(self)
         self.active = True
         self.interception.start()
         self.threads.install()
