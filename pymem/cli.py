@@ -68,10 +68,8 @@ def cmd_demo(args) -> int:
 
     import pymem
     from pymem.demo_models import gpt_trainer
-    from pymem.testing import deterministic_cpu
 
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    deterministic_cpu()  # both runs on a fixed thread count: MKL's own choice varies with the load
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))  # also turns MKL's dynamic threads off
     steps = args.steps
     print(f"pymem demo: TinyGPT (4 layers, d=128, batch {batch} x seq {seq}), {steps} Adam steps on CPU")
 

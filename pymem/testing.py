@@ -29,9 +29,9 @@ def all_bitwise_equal(a: Iterable[torch.Tensor], b: Iterable[torch.Tensor]) -> b
 
 def deterministic_cpu() -> None:
     """CPU kernels that keep their thread count for the rest of the process (MKL's and OpenMP's
-    dynamic adjustment off), so that the unmanaged run a managed one is compared with cannot come
-    out with another rounding on a loaded machine (``pymem.runtime.fixed_threads``). pymem sets the
-    same while it runs on the CPU; this is for the runs outside it."""
+    dynamic adjustment off, as ``torch.set_num_threads`` leaves MKL's), for the unmanaged runs a
+    managed one is compared with (``pymem.runtime.fixed_threads``). pymem sets the same while it
+    runs on the CPU; this is for the runs outside it."""
     from .runtime import fixed_threads
 
     fixed_threads.fix()

@@ -1,16 +1,17 @@
 """CPU kernels that keep the thread count they were given, so that a recompute reruns an op the way
 its first run ran it.
 
-MKL, by default (``MKL_DYNAMIC`` true), may run a GEMM on fewer threads than it was given. When a
-GEMM's inner dimension is split across threads, one thread sums in another order. On this
-project's loaded 2-core VM, the demo's unmanaged run now and then came out with the one-thread
-rounding: step 2's loss was 6.123640060 instead of 6.123639584, which ``torch.set_num_threads(1)``
-gives every time. For an unmanaged program that is a different rounding from run to run. Under
-pymem, a value recomputed on fewer threads than its first run would differ from the value it
-replaces. Intel's condition for run-to-run reproducibility is a fixed thread count with
-MKL_DYNAMIC and OMP_DYNAMIC false (oneMKL developer guide, "Reproducibility Conditions"). This
-module sets both while pymem runs on the CPU. It is necessary, not shown to be sufficient: under
-heavier load a process's first unmanaged run still varied (README, Set up).
+MKL, by default (``MKL_DYNAMIC`` true), may run a GEMM on fewer threads than it was given, and a
+GEMM whose inner dimension is split across threads sums in another order on one thread: the
+demo's head weight gradient, (512, 1016) x (1016, 128), rounds otherwise with
+``torch.set_num_threads(1)``. Under pymem, a value recomputed on fewer threads than its first run
+would differ from the value it replaces. Intel's condition for run-to-run reproducibility is a
+fixed thread count with MKL_DYNAMIC and OMP_DYNAMIC false (oneMKL developer guide,
+"Reproducibility Conditions"). ``torch.set_num_threads`` already turns MKL's off; a program that
+never calls it runs with it on, so this module sets both while pymem runs on the CPU.
+
+This is not what made the demo's unmanaged run differ now and then under heavy load: the demo
+calls ``torch.set_num_threads``, and that variation stays (README, Set up).
 
 Reached through ctypes: PyTorch's CPU library exports MKL's service functions and loads libgomp. A
 build without them (no MKL: ARM, some source builds) has nothing to fix here, and nothing is done.
