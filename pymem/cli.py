@@ -120,13 +120,13 @@ def _demo_report(ratio, peak, unmanaged, managed, st, again=None) -> int:
     print(f"  losses (pymem):     {', '.join(f'{x:.6f}' for x in got)}")
     print(f"  bitwise equal (losses and parameters): {'yes' if same else 'NO'}")
     if again is not None:
-        twice = _same(again, (ref, ref_params))
+        twice, matches = _same(again, (ref, ref_params)), _same((got, params), again)
         print(f"  a second unmanaged run: {'the same bits as the first' if twice else 'other bits than the first'}; "
-              f"pymem's run {'matches it' if _same((got, params), again) else 'matches neither'}")
+              f"pymem's run {'matches it' if matches else 'matches neither'}")
         if not twice:
             print("  (PyTorch itself did not reproduce its own run here: on this machine an op's rounding "
                   "varies from run to run)")
-        same = same or _same((got, params), again)
+        same = same or matches
     print(f"  unmanaged peak {_fmt(peak)}; budget {_fmt(st['budget_bytes'])} ({ratio:.0%} of it); "
           f"pymem peak {_fmt(st['allocated_bytes.peak'])} (never above the budget)")
     print(f"  {st['num_evictions']} evictions, {st['num_rematerializations']} rematerializations "

@@ -1,6 +1,6 @@
 """pymem on the CPU keeps MKL and OpenMP on the thread count they were given (fixed_threads.py): a
-GEMM that MKL runs on fewer threads under load sums in another order, so a recompute would round
-otherwise than the run it replaces."""
+GEMM that MKL's dynamic adjustment ran on fewer threads would sum in another order, so a recompute
+would round otherwise than the run it replaces."""
 import pytest
 
 import pymem
@@ -22,4 +22,3 @@ def test_enabling_on_the_cpu_turns_dynamic_threads_off_and_disabling_gives_the_s
         assert fixed_threads.dynamic_adjustment() == (1,) * n
     finally:
         fixed_threads.fix()  # the suite's own setting (conftest)
-

@@ -138,6 +138,7 @@ class Runtime(_C.RuntimeBase):
                                link_bandwidth, plan, host_budget, offload_leaves, verify)
         self.settings = conf
         self.device = conf.device
+        self._dynamic_threads_were = ()  # what fixed_threads.fix found at start, for stop
         # plan="auto": the policy's choice under pressure follows the step plan where it can say
         # (policies/planned.py; the plan is the step trace's, below).
         self.policy: Policy = conf.policy if conf.plan == "off" else Planned(conf.policy)
@@ -259,7 +260,7 @@ class Runtime(_C.RuntimeBase):
             remat.restore(self, evicted)
             self.table.clear()
             self.cache.clear()
-        fixed_threads.restore(getattr(self, "_dynamic_threads_were", ()))
+        fixed_threads.restore(self._dynamic_threads_were)
 
     # ------------------------------------------------------------------ records
     def _new_record(self, t: _Tensor, key: int, cost: float, recipe, op: str) -> Record:
