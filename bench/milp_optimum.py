@@ -85,9 +85,10 @@ def graph_of(trace, seconds):
 
 
 def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0, freed=None, release_only=False):
-    """Checkmate's MILP. Returns {"status", "total", "recompute", "seconds"}; recompute None when
-    infeasible or not solved in time. ``freed`` (graph_of's): where the program frees each node's
-    values; a value with no recipe is held until then. ``release_only``: no value is kept past
+    """Checkmate's MILP. Returns {"status", "total", "recompute", "seconds", "reruns"}; recompute None
+    when infeasible or not solved in time; reruns: the schedule's (stage, node) pairs, node rerun in
+    the stage that computes the other (graph_of's node numbers). ``freed`` (graph_of's): where the
+    program frees each node's values; a value with no recipe is held until then. ``release_only``: no value is kept past
     that point either, as a runtime that only ever releases what the program holds (DTR,
     Capuchin, pymem) cannot; else Checkmate's own model, which may keep a recomputable value as
     long as it likes."""
@@ -178,13 +179,15 @@ def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0, freed=None, r
     info = h.getInfo()
     total = info.objective_function_value if status in ("Optimal", "Time limit reached") and info.primal_solution_status == 2 else None
     x = h.getSolution().col_value if total is not None else None
-    recomputed = sorted(i for (t, i), c in R.items() if i < t and x[c] > 0.5) if x is not None else None
+    reruns = sorted((t, i) for (t, i), c in R.items() if i < t and x[c] > 0.5) if x is not None else None
+    recomputed = sorted({i for _, i in reruns}) if reruns is not None else None
     # Stopped at the time limit, the schedule found is only an upper bound of the optimum; the
     # solver's dual bound is a lower one, so a policy's multiple of the optimum lies between.
     bound = info.mip_dual_bound if status in ("Optimal", "Time limit reached") else None
     return {"status": status, "total": total, "recompute": None if total is None else total - sum(cost),
             "recompute_proven_at_least": max(0.0, bound - sum(cost)) if bound is not None and math.isfinite(bound) else None,
-            "seconds": time.perf_counter() - t0, "nodes": n, "recomputed_nodes": recomputed}
+            "seconds": time.perf_counter() - t0, "nodes": n, "recomputed_nodes": recomputed,
+            "reruns": reruns}
 
 
 def _step_profile(step, budget):

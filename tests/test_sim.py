@@ -2,6 +2,7 @@
 policies and the virtual arena, the simrd reader, the GPU cost model's arithmetic, and a step
 recorded by the runtime replaying with the runtime's own release decisions."""
 import json
+import math
 import os
 import re
 
@@ -15,7 +16,7 @@ from pymem.cost_model import CostModel
 from pymem.gpus import LAUNCH_SECONDS, gpu_spec
 from pymem.sim import Trace, TraceError, capture, from_step_arrays
 from pymem.runtime.swap import latest_start
-from pymem.sim.replay import Simulator, _op_seconds, simulate
+from pymem.sim.replay import EVICTED, RESIDENT, Simulator, _op_seconds, simulate
 from pymem.sim.simrd import load_simrd, read_simrd
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "simrd_small.log")
@@ -581,6 +582,25 @@ def test_capture_reads_item_as_one_so_bias_corrections_do_not_divide_by_zero(tmp
 def test_trace_cli_refuses_an_unknown_model(tmp_path, capsys):
     assert cli.main(["trace", "gpt5", "--out", str(tmp_path / "x.npz")]) == 2
     assert "unknown model 'gpt5'" in capsys.readouterr().err
+
+
+def test_a_next_use_is_found_through_an_evicted_value_the_program_freed():
+    """As the runtime's ``Record.next_use`` (records._next_use walks every evicted reader, freed by
+    the program or not): p's next use is b's read, reached through a, which the program freed but
+    b's recompute reads. Missing it scored p as unread for the rest of the step, so pressure
+    released it mid-restore and reran it (the MILP's TinyGPT at 0.6: 0.1995 -> 0.1835 ms)."""
+    ops = [("f", 1.0, [0], [1]), ("g", 1.0, [1], [2]), ("h", 1.0, [2], [3]), ("other", 2.0, [0], [4]),
+           ("read", 1.0, [3], [5])]
+    values = [(MiB, -1, 0, -1), (MiB, 0, 1, -1), (MiB, 1, 1, 2), (MiB, 2, 1, -1), (1024, 3, 1, -1),
+              (1024, 4, 1, -1)]
+    sim = Simulator(_trace(ops, values), 1 << 30, policy="dtr", plan="auto", device=None)
+    a, b = sim.values[2], sim.values[3]
+    a.state, a.dead, b.state = EVICTED, True, EVICTED
+    sim.position = 3
+    assert sim.seconds_to_next_use(1, 8) == pytest.approx(2.0)  # op 3 runs first, then op 4 reads b
+    assert sim.seconds_to_next_use(1, 1) == math.inf  # one level of readers reaches a, not b
+    b.state = RESIDENT  # b resident: nothing away reads p any more
+    assert sim.seconds_to_next_use(1, 8) == math.inf
 
 
 # --- simrd logs -------------------------------------------------------------------------------

@@ -292,7 +292,7 @@ class Simulator:
             for k in self.readers[v][:i]:  # ops already run: their outputs may be evicted now
                 for c in self.op_outs[k]:
                     cv = self.values[c]
-                    if cv.state == EVICTED and not cv.dead and cv.recipe:
+                    if cv.state == EVICTED and cv.recipe:  # dead too: it rebuilds a reader (records.py)
                         d = min(d, self.seconds_to_next_use(c, depth - 1))
         return d
 
