@@ -88,10 +88,10 @@ def solve(mem, cost, deps, recomp, keep, budget, time_limit=120.0, freed=None, r
     """Checkmate's MILP. Returns {"status", "total", "recompute", "seconds", "reruns"}; recompute None
     when infeasible or not solved in time; reruns: the schedule's (stage, node) pairs, node rerun in
     the stage that computes the other (graph_of's node numbers). ``freed`` (graph_of's): where the
-    program frees each node's values; a value with no recipe is held until then. ``release_only``: no value is kept past
-    that point either, as a runtime that only ever releases what the program holds (DTR,
-    Capuchin, pymem) cannot; else Checkmate's own model, which may keep a recomputable value as
-    long as it likes."""
+    program frees each node's values; a value with no recipe is held until then. ``release_only``:
+    no value is kept past that point either, as a runtime that only ever releases what the program
+    holds (DTR, Capuchin, pymem) cannot; else Checkmate's own model, which may keep a recomputable
+    value as long as it likes."""
     import highspy
 
     if release_only and freed is None:
