@@ -629,3 +629,34 @@ def test_the_blocks_that_may_move_are_the_values_in_memory_nothing_holds_in_plac
         rt.running.pop()
         record(pinned).pins -= 1
         record(locked).locks -= 1
+
+
+def test_a_value_that_dies_between_the_compaction_plan_and_its_moves_leaves_it_to_be_planned_again(managed):
+    """The moves-only compaction (compact_for with `worth`) lists the blocks that may move after
+    planning over their addresses. A value collected in between (a garbage collection while the plan
+    is priced, or while the blocks are listed) is missing from the list: the plan is stale and is
+    made again, where CI's FSDP run raised KeyError from inside an op's allocation."""
+    from pymem.runtime.compaction import MovableAddresses, compact_for
+
+    rt = pymem.enable(24 * MiB, device="cpu", offload="never")
+    with pymem.no_recompute():
+        ts = []
+        while rt.arena.main_free_bytes >= MiB:
+            ts.append(torch.full((MiB // 4,), float(len(ts))))  # 1 MiB each, until the region is full
+    for i in range(0, len(ts), 2):
+        ts[i] = None  # 1 MiB holes between the live blocks
+    request = 4 * MiB  # fits in the free bytes, in no one hole (nor in one the victim leaves)
+    picture = MovableAddresses(rt)
+    planned = rt.arena.plan_moves(request, picture.addresses)
+    assert planned is not None and planned[3] > 0  # the same plan compact_for makes
+    victim = next(i for i, t in enumerate(ts) if t is not None and t.untyped_storage().data_ptr() in planned[0])
+
+    def worth(moved, blocks):
+        ts[victim] = None  # collected between the plan and the moves
+        return True
+
+    assert compact_for(rt, request, worth, picture)  # the arena asks again
+    assert compact_for(rt, request, lambda moved, blocks: True)  # a fresh picture moves
+    assert rt.arena.stats()["largest_free_block"] >= request
+    for i, t in enumerate(ts):
+        assert t is None or torch.equal(t, torch.full((MiB // 4,), float(i)))

@@ -141,10 +141,12 @@ def compact_for(rt, request: int, worth: Optional[Callable[[int, int], bool]] = 
     rt.backend.before_moves()
     keep = []  # nothing moved may die mid-move
     for a in seg_movable:
-        sref = movable[a][1]
-        if not sref.alive:  # died since the picture (a collection freed it): its block is free, plan again
+        entry = movable.get(a)
+        # Died since the picture (a collection freed it, perhaps while the blocks above were listed,
+        # and the walk skipped it): its block is free, which the arena counts as progress; plan again.
+        if entry is None or not entry[1].alive:
             return True
-        keep.append(sref.strong())
+        keep.append(entry[1].strong())
     # The plan is a picture of the arena taken under the runtime's lock, but another thread's kernel
     # allocates under the arena's lock alone: it may take a planned destination meanwhile. The arena
     # then refuses the move (ValueError, nothing changed) and the plan is stale: stop there. Every
