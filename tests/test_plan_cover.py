@@ -167,6 +167,29 @@ def test_the_step_placement_is_on_with_the_plan_and_off_without(managed):
     assert pymem.memory_stats()["num_placed_as_planned"] == 0
 
 
+
+def test_a_step_planned_another_way_than_the_one_before_is_placed_by_best_fit(managed):
+    """The step placement's offsets come from the step before only where it was planned the same
+    way, or unplanned (csrc/step_placement.h): through the trials of the ways, each way's first
+    step but the first planned one places no block at a planned offset, and its second places them
+    from the first."""
+    import runtime_models as rm
+
+    budget = budget_at(measure_peak(lambda: rm.trainer("gpt"), 2), 0.5)
+    rt = pymem.enable(budget=budget, device="cpu", cost=FIXED, plan="auto")
+    step = rm.trainer("gpt")
+    before, placed = None, []
+    for _ in range(pymem._C.PlanChoice.TRIAL_STEPS + 2):
+        way = rt.trace.plan_releases if rt.trace.following else None
+        n = pymem.memory_stats()["num_placed_as_planned"]
+        step()
+        placed.append((before, way, pymem.memory_stats()["num_placed_as_planned"] - n))
+        before = way
+    switched = [p for b, w, p in placed if b is not None and w != b]
+    carried = [p for b, w, p in placed if w is not None and (w == b or b is None)]
+    assert len(switched) >= 4 and len(carried) >= 5, placed  # the trials: every way twice
+    assert all(p == 0 for p in switched) and all(p > 0 for p in carried), placed
+
 def test_offloading_keeps_the_learned_plan(managed):
     rt = pymem.enable(budget="64MB", device="cpu", cost=FIXED, plan="auto", offload="always")
     assert rt.trace.budget == 0  # the cover prices recomputes only

@@ -658,10 +658,17 @@ class Runtime(_C.RuntimeBase):
             if self.arena is not None:
                 self.arena.end_step()  # the step placement plans the next (nothing while off)
                 if self.arena.step_placement:
-                    # Through a displacement only where the next step is planned as this one was:
-                    # after a switch of ways blocks are displaced all over, and best fit moves less.
-                    self.arena.set_step_placement_keeps_plan(
-                        way is not None and self.trace.following and self.trace.plan_releases == way)
+                    upcoming = self.trace.plan_releases if self.trace.following else None
+                    if way is not None and upcoming != way:
+                        # Planned another way than the step that ended: that step's offsets were
+                        # made around its releases, and the next releases elsewhere. Carried over,
+                        # they displace blocks all over, and the layout a way settles into comes to
+                        # depend on the way before it; so the step is placed by best fit, and the
+                        # one after it from that (step_placement.h). The first planned step keeps
+                        # the unplanned step's offsets (its releases are what the plan is made of).
+                        self.arena.set_step_placement_plan([], [])
+                    # Through a displacement only in a step planned as the step that ended was.
+                    self.arena.set_step_placement_keeps_plan(way is not None and upcoming == way)
             if self.swap is not None:
                 self.swap.end_step()
 

@@ -19,9 +19,9 @@ that runs out of budget is the result.
 
 Every step is replayed, each in a fresh arena: what a step leaves the next besides its trace is
 carried over, as the runtime's arena and swapper carry it: the step placement's plan of offsets
-(csrc/step_placement.h, on with the plan: ``Simulator(placement=...)``), and swap.py's prefetch
-feedback. So a way's step replays differently after another way's than after its own, as in the
-runtime.
+(csrc/step_placement.h, on with the plan: ``Simulator(placement=...)``) between steps planned the
+same way or from the unplanned first step (a step planned another way than the one before is
+placed by best fit), and swap.py's prefetch feedback.
 """
 from typing import Dict, List, Tuple
 
@@ -109,6 +109,9 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
         if out["status"] == "oom":
             break
         how = choice.next(cover_allowed)
+        before = steps[-1]["plan"]
+        if before != "none" and how != before:  # as the runtime's end_step: planned another way, placed by best fit
+            kw["placement"] = ([], [])
         if how != "learned":
             out, _, summary = run(simulator(how), how)
         else:
