@@ -660,3 +660,31 @@ def test_a_value_that_dies_between_the_compaction_plan_and_its_moves_leaves_it_t
     assert rt.arena.stats()["largest_free_block"] >= request
     for i, t in enumerate(ts):
         assert t is None or torch.equal(t, torch.full((MiB // 4,), float(i)))
+
+
+def test_the_slide_after_a_kernels_failure_skips_a_value_collected_since_the_blocks_were_listed(managed, monkeypatch):
+    """defragment_after_failure slides every block that may move; one collected between the listing
+    and the slide (its block already free) is left out, not held (before: RuntimeError, the storage
+    is dead, raised from inside the failed kernel's retry)."""
+    from pymem.runtime import compaction
+
+    rt = pymem.enable(24 * MiB, device="cpu", offload="never")
+    with pymem.no_recompute():
+        ts = []
+        while rt.arena.main_free_bytes >= MiB:
+            ts.append(torch.full((MiB // 4,), float(len(ts))))
+    for i in range(0, len(ts), 2):
+        ts[i] = None
+    listed = compaction.movable_blocks
+
+    def listed_then_collected(rt_):
+        blocks = listed(rt_)
+        ts[3] = None  # a collection right after the listing
+        return blocks
+
+    monkeypatch.setattr(compaction, "movable_blocks", listed_then_collected)
+    assert compaction.defragment_after_failure(rt)
+    st = rt.arena.stats()
+    assert st["largest_free_block"] >= rt.arena.main_free_bytes  # the main region's free bytes in one block
+    for i, t in enumerate(ts):
+        assert t is None or torch.equal(t, torch.full((MiB // 4,), float(i)))

@@ -176,9 +176,13 @@ def defragment_after_failure(rt) -> bool:
     entry = rt.running.pop() if rt.running else None
     try:
         movable = movable_blocks(rt)
-        keep = [m[1].strong() for m in movable.values()]
+        keep, addrs = [], []
+        for a, m in movable.items():
+            if m[1].alive:  # else collected since the listing (as in compact_for): its block is free
+                keep.append(m[1].strong())
+                addrs.append(a)
         rt.backend.before_moves()
-        moved = _slide(rt, movable, sorted(movable))
+        moved = _slide(rt, movable, sorted(addrs))
         del keep
         return moved
     finally:
