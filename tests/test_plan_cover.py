@@ -167,7 +167,6 @@ def test_the_step_placement_is_on_with_the_plan_and_off_without(managed):
     assert pymem.memory_stats()["num_placed_as_planned"] == 0
 
 
-
 def test_a_step_planned_another_way_than_the_one_before_is_placed_by_best_fit(managed):
     """The step placement's offsets come from the step before only where it was planned the same
     way, or unplanned (csrc/step_placement.h): through the trials of the ways, each way's first
@@ -189,6 +188,7 @@ def test_a_step_planned_another_way_than_the_one_before_is_placed_by_best_fit(ma
     carried = [p for b, w, p in placed if w is not None and (w == b or b is None)]
     assert len(switched) >= 4 and len(carried) >= 5, placed  # the trials: every way twice
     assert all(p == 0 for p in switched) and all(p > 0 for p in carried), placed
+
 
 def test_offloading_keeps_the_learned_plan(managed):
     rt = pymem.enable(budget="64MB", device="cpu", cost=FIXED, plan="auto", offload="always")

@@ -631,6 +631,24 @@ def test_the_blocks_that_may_move_are_the_values_in_memory_nothing_holds_in_plac
         record(locked).locks -= 1
 
 
+def _holed_region():
+    """pymem at 24 MiB with its main region filled by 1 MiB tensors, every other one then freed:
+    1 MiB holes between live blocks. The tensors (None where freed) hold their index."""
+    rt = pymem.enable(24 * MiB, device="cpu", offload="never")
+    with pymem.no_recompute():
+        ts = []
+        while rt.arena.main_free_bytes >= MiB:
+            ts.append(torch.full((MiB // 4,), float(len(ts))))
+    for i in range(0, len(ts), 2):
+        ts[i] = None
+    return rt, ts
+
+
+def _assert_intact(ts):
+    for i, t in enumerate(ts):
+        assert t is None or torch.equal(t, torch.full((MiB // 4,), float(i)))
+
+
 def test_a_value_that_dies_between_the_compaction_plan_and_its_moves_leaves_it_to_be_planned_again(managed):
     """The moves-only compaction (compact_for with `worth`) lists the blocks that may move after
     planning over their addresses. A value collected in between (a garbage collection while the plan
@@ -638,13 +656,7 @@ def test_a_value_that_dies_between_the_compaction_plan_and_its_moves_leaves_it_t
     made again, where CI's FSDP run raised KeyError from inside an op's allocation."""
     from pymem.runtime.compaction import MovableAddresses, compact_for
 
-    rt = pymem.enable(24 * MiB, device="cpu", offload="never")
-    with pymem.no_recompute():
-        ts = []
-        while rt.arena.main_free_bytes >= MiB:
-            ts.append(torch.full((MiB // 4,), float(len(ts))))  # 1 MiB each, until the region is full
-    for i in range(0, len(ts), 2):
-        ts[i] = None  # 1 MiB holes between the live blocks
+    rt, ts = _holed_region()
     request = 4 * MiB  # fits in the free bytes, in no one hole (nor in one the victim leaves)
     picture = MovableAddresses(rt)
     planned = rt.arena.plan_moves(request, picture.addresses)
@@ -658,8 +670,7 @@ def test_a_value_that_dies_between_the_compaction_plan_and_its_moves_leaves_it_t
     assert compact_for(rt, request, worth, picture)  # the arena asks again
     assert compact_for(rt, request, lambda moved, blocks: True)  # a fresh picture moves
     assert rt.arena.stats()["largest_free_block"] >= request
-    for i, t in enumerate(ts):
-        assert t is None or torch.equal(t, torch.full((MiB // 4,), float(i)))
+    _assert_intact(ts)
 
 
 def test_the_slide_after_a_kernels_failure_skips_a_value_collected_since_the_blocks_were_listed(managed, monkeypatch):
@@ -668,13 +679,7 @@ def test_the_slide_after_a_kernels_failure_skips_a_value_collected_since_the_blo
     is dead, raised from inside the failed kernel's retry)."""
     from pymem.runtime import compaction
 
-    rt = pymem.enable(24 * MiB, device="cpu", offload="never")
-    with pymem.no_recompute():
-        ts = []
-        while rt.arena.main_free_bytes >= MiB:
-            ts.append(torch.full((MiB // 4,), float(len(ts))))
-    for i in range(0, len(ts), 2):
-        ts[i] = None
+    rt, ts = _holed_region()
     listed = compaction.movable_blocks
 
     def listed_then_collected(rt_):
@@ -686,5 +691,4 @@ def test_the_slide_after_a_kernels_failure_skips_a_value_collected_since_the_blo
     assert compaction.defragment_after_failure(rt)
     st = rt.arena.stats()
     assert st["largest_free_block"] >= rt.arena.main_free_bytes  # the main region's free bytes in one block
-    for i, t in enumerate(ts):
-        assert t is None or torch.equal(t, torch.full((MiB // 4,), float(i)))
+    _assert_intact(ts)
