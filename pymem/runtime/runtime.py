@@ -660,12 +660,9 @@ class Runtime(_C.RuntimeBase):
                 if self.arena.step_placement:
                     upcoming = self.trace.plan_releases if self.trace.following else None
                     if way is not None and upcoming != way:
-                        # Planned another way than the step that ended: that step's offsets were
-                        # made around its releases, and the next releases elsewhere. Carried over,
-                        # they displace blocks all over, and the layout a way settles into comes to
-                        # depend on the way before it; so the step is placed by best fit, and the
-                        # one after it from that (step_placement.h). The first planned step keeps
-                        # the unplanned step's offsets (its releases are what the plan is made of).
+                        # Planned another way: the offsets were made around other releases, and
+                        # carried over, a way's layout would depend on the way before it; best fit
+                        # (step_placement.h). The first planned step keeps the unplanned step's.
                         self.arena.set_step_placement_plan([], [])
                     # Through a displacement only in a step planned as the step that ended was.
                     self.arena.set_step_placement_keeps_plan(way is not None and upcoming == way)
