@@ -7,12 +7,68 @@
 namespace pymem {
 
 void StepPlan::build(const StepArrays& s, Releases how, const StepArrays& learned_from,
-                     const std::vector<std::pair<int32_t, int32_t>>& cover) {
+                     const std::vector<std::pair<int32_t, int32_t>>& cover, std::vector<Hold> holds) {
   index(s);
   how_ = how;
   set_releases(covers(how)                ? cover
                : how == Releases::kLearned ? learned(learned_from)
                                            : std::vector<std::pair<int32_t, int32_t>>());
+  if (how != Releases::kRebuild) holds.clear();  // the one way that plans what reruns rebuild
+  set_holds(std::move(holds));
+}
+
+std::vector<StepPlan::Hold> StepPlan::retained(const StepArrays& s, int64_t retain_limit, const std::vector<Hold>& before) {
+  const size_t n = s.op.size(), m = s.value_bytes.size();
+  std::vector<Hold> out;
+  if (s.value_free_at.size() != m || s.value_overwrites.size() != m || retain_limit <= 0) return out;
+  std::vector<uint8_t> may(m, 0);  // freed by the program after its producer, small, recomputable, not overwritten
+  for (size_t v = 0; v < m; ++v) {
+    const int32_t f = s.value_free_at[v], p = s.value_producer[v];
+    may[v] = p >= 0 && f >= p && static_cast<size_t>(f) < n && s.value_recomputable[v] && s.value_bytes[v] <= retain_limit;
+  }
+  for (int32_t w : s.value_overwrites)
+    if (w >= 0) may[static_cast<size_t>(w)] = 0;
+  std::vector<int32_t> until(m, -1);
+  const auto in_step = [&](int32_t v) { return v >= 0 && static_cast<size_t>(v) < m && may[static_cast<size_t>(v)]; };
+  for (size_t i = 0; i < s.back_at.size(); ++i) {  // comebacks after the program's free
+    const int32_t v = s.back_value[i], at = s.back_at[i];
+    if (in_step(v) && at > s.value_free_at[static_cast<size_t>(v)] && static_cast<size_t>(at) < n)
+      until[static_cast<size_t>(v)] = std::max(until[static_cast<size_t>(v)], at);
+  }
+  for (const Hold& h : before) {  // held before, left alone by pressure: held again
+    if (!in_step(h.value) || h.from != s.value_free_at[static_cast<size_t>(h.value)] || static_cast<size_t>(h.until) >= n)
+      continue;
+    bool released = false;
+    for (size_t i = 0; i < s.released_at.size() && !released; ++i)
+      released = s.released_value[i] == h.value && h.from < s.released_at[i] && s.released_at[i] <= h.until;
+    if (!released) until[static_cast<size_t>(h.value)] = std::max(until[static_cast<size_t>(h.value)], h.until);
+  }
+  for (size_t v = 0; v < m; ++v)
+    if (until[v] >= 0) out.push_back({static_cast<int32_t>(v), s.value_free_at[v], until[v]});
+  return out;
+}
+
+void StepPlan::set_holds(std::vector<Hold> holds) {
+  const size_t n = step_.op.size(), m = step_.value_bytes.size();
+  holds.erase(std::remove_if(holds.begin(), holds.end(), [&](const Hold& h) {
+                return h.value < 0 || static_cast<size_t>(h.value) >= m || h.from < 0 || h.until <= h.from ||
+                       static_cast<size_t>(h.until) >= n;
+              }), holds.end());
+  holds_ = std::move(holds);
+  const auto index_by = [&](auto position, std::vector<int64_t>& start, std::vector<int32_t>& values) {
+    std::vector<std::pair<int32_t, int32_t>> at;  // (position, value)
+    for (const Hold& h : holds_) at.emplace_back(position(h), h.value);
+    std::sort(at.begin(), at.end());
+    start.assign(n + 1, 0);
+    values.clear();
+    for (const auto& [k, v] : at) {
+      ++start[static_cast<size_t>(k) + 1];
+      values.push_back(v);
+    }
+    for (size_t k = 0; k < n; ++k) start[k + 1] += start[k];
+  };
+  index_by([](const Hold& h) { return h.from; }, hold_start_, hold_);
+  index_by([](const Hold& h) { return h.until; }, let_go_start_, let_go_);
 }
 
 void StepPlan::index(const StepArrays& s) {

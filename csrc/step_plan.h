@@ -29,6 +29,17 @@
 //     where it fits, released again right after where not).
 // A value the plan releases early may have evicted readers: kLearned leaves those to pressure
 // (it does not price the longer recompute), the covers priced them and release them anyway.
+// Retention, with kRebuild (which plans what reruns rebuild): a value of at most `retain_limit`
+// bytes that the program freed after op f and that a rerun rebuilt later in the step before (a
+// comeback after its death: a recompute read it, as attention's backward reruns the softmax from
+// the causal mask) is held from right after f until right after its last such comeback, so the
+// rerun reads it instead of replaying its chain. A held value stays releasable (pressure may take
+// it, as any other). One held in the step before stays held while pressure left it alone there
+// (held, it came back no more, so that step alone no longer shows why). A value some op overwrote
+// in place is never held: its storage is the new value's. The other ways hold nothing, so the
+// choice among them (plan_choice.h) measures holding too: it costs memory that pressure must then
+// find elsewhere (in the simulator, GPT-2 XL's 50 MB activations held forward to backward cost more
+// than they saved).
 // Two ways release nothing early: kBelady (pressure alone releases, scored by the plan's next
 // uses) and kGreedy (the policy alone, as without a plan: StepTrace hides the next uses; the step is
 // still checked against the plan, so that it is measured as the others are). plan_choice.h chooses.
@@ -49,12 +60,25 @@ namespace pymem {
 class StepPlan {
  public:
   enum class Releases { kLearned, kCover, kRebuild, kBelady, kGreedy };  // the ways, in the order they are tried
+  struct Hold {  // a value held past the program's free of it: from right after op `from` until right after op `until`
+    int32_t value, from, until;
+  };
   static bool covers(Releases how) { return how == Releases::kCover || how == Releases::kRebuild; }
   // The plan for a step like `s` (empty when s has no ops). kLearned learns from `learned_from`'s
   // releases and comebacks (a step like s: s itself, or the last step that ran a kLearned plan);
   // the covers release `cover` (cover_releases or rebuild_releases of a step like s).
+  // `holds`: retained(s, retain_limit, the holds of the plan s ran, if s followed it whole); kept by kRebuild.
   void build(const StepArrays& s, Releases how, const StepArrays& learned_from,
-             const std::vector<std::pair<int32_t, int32_t>>& cover);
+             const std::vector<std::pair<int32_t, int32_t>>& cover, std::vector<Hold> holds = {});
+  // The values a plan for a step like `s` holds past their free (see Retention above): `s` with its
+  // deaths and events, `before` the holds s ran with. Empty where s has no deaths observed.
+  static std::vector<Hold> retained(const StepArrays& s, int64_t retain_limit, const std::vector<Hold>& before);
+  // A value held is at most this share of the budget (the size of the arena's small region).
+  static constexpr int64_t kRetainShare = 256;
+  const std::vector<Hold>& holds() const { return holds_; }
+  // The values to hold right after op k, and those to let go then.
+  std::pair<const int32_t*, const int32_t*> holds_after(size_t k) const { return span(hold_start_, hold_, k); }
+  std::pair<const int32_t*, const int32_t*> let_go_after(size_t k) const { return span(let_go_start_, let_go_, k); }
   Releases releases() const { return how_; }
   bool empty() const { return step_.op.empty(); }
   size_t size() const { return step_.op.size(); }  // ops in the planned step
@@ -85,6 +109,13 @@ class StepPlan {
   void index(const StepArrays& s);  // step_, uses, before
   std::vector<std::pair<int32_t, int32_t>> learned(const StepArrays& from) const;
   void set_releases(std::vector<std::pair<int32_t, int32_t>> due);  // (position, value) pairs
+  void set_holds(std::vector<Hold> holds);
+  // By position (start[k] .. start[k+1] into `values`); empty past the step's end.
+  static std::pair<const int32_t*, const int32_t*> span(const std::vector<int64_t>& start,
+                                                        const std::vector<int32_t>& values, size_t k) {
+    if (k + 1 >= start.size()) return {nullptr, nullptr};
+    return {values.data() + start[k], values.data() + start[k + 1]};
+  }
 
   Releases how_ = Releases::kLearned;
   StepArrays step_;  // the step planned from (a copy)
@@ -94,6 +125,9 @@ class StepPlan {
   std::vector<int64_t> due_start_;
   std::vector<int32_t> due_;
   std::vector<uint8_t> early_;
+  std::vector<Hold> holds_;
+  std::vector<int64_t> hold_start_, let_go_start_;
+  std::vector<int32_t> hold_, let_go_;
 };
 
 }  // namespace pymem

@@ -204,6 +204,7 @@ bool StepTrace::record_op(int32_t code, double cost, int64_t transient, c10::Arr
     watched_.clear();
     following_ = false;
     deaths_whole_ = false;
+    held_.clear();
     value_storage_.clear();
   }
   StepArrays& s = current_;
@@ -232,9 +233,13 @@ bool StepTrace::record_op(int32_t code, double cost, int64_t transient, c10::Arr
   }
   if (!following_) {
     deaths_whole_ = false;
+    held_.clear();  // a plan not followed holds nothing
     return false;
   }
-  if (deaths_whole_) watch_deaths(k);
+  if (deaths_whole_) {
+    watch_deaths(k);
+    hold(k);
+  }
   const auto [first, last] = plan_.due_after(static_cast<size_t>(k));
   due_.assign(first, last);
   return !due_.empty() || !ahead_.empty();
@@ -256,7 +261,8 @@ void StepTrace::watch_deaths(int32_t k) {
   // is taken (a plan then counts its bytes one op short at most, never more).
   for (size_t i = 0; i < dying_.size();) {
     auto& storage = value_storage_[static_cast<size_t>(dying_[i])];
-    if (storage && storage->alive()) {
+    const size_t holders = held_.count(dying_[i]);  // the plan's hold is not the program's
+    if (storage && storage->alive() && storage->use_count() > holders) {
       ++i;
       continue;
     }
@@ -279,6 +285,17 @@ void StepTrace::watch_deaths(int32_t k) {
     watch_if_done(s.inputs[static_cast<size_t>(i)]);
   for (int64_t i = s.outputs_start[static_cast<size_t>(k)]; i < s.outputs_start[static_cast<size_t>(k) + 1]; ++i)
     watch_if_done(s.outputs[static_cast<size_t>(i)]);
+}
+
+void StepTrace::hold(int32_t k) {
+  for (auto [v, end] = plan_.let_go_after(static_cast<size_t>(k)); v != end; ++v) held_.erase(*v);
+  for (auto [v, end] = plan_.holds_after(static_cast<size_t>(k)); v != end; ++v) {
+    const auto& storage = value_storage_[static_cast<size_t>(*v)];  // watched: deaths_whole_
+    if (storage && storage->alive() && !storage->evicted()) {
+      held_.emplace(*v, storage->strong());
+      ++num_retained_;
+    }
+  }
 }
 
 void StepTrace::note_offload(const RecordObject* r) {
@@ -309,6 +326,7 @@ py::list StepTrace::take_due() {
   py::list out;
   for (int32_t v : due_) {
     auto it = watched_.find(v);
+    if (held_.count(v) != 0) continue;  // held for a rerun: the program freed it (a dead value is not released early)
     if (it == watched_.end()) continue;
     PyObject* r = PyWeakref_GetObject(it->second.ptr());  // borrowed; None once dead
     if (r != nullptr && r != Py_None) out.append(py::handle(r));
@@ -319,6 +337,7 @@ py::list StepTrace::take_due() {
 }
 
 void StepTrace::end_step(double moved_seconds) {
+  held_.clear();  // a hold ends with its step
   if (deaths_whole_ && current_.op.size() == plan_.size())  // the plan followed whole: every value watched
     current_.value_free_at = std::move(free_at_);
   else
@@ -362,7 +381,8 @@ void StepTrace::plan_next(double moved_seconds) {
     cover_[c] = how == R::kRebuild ? rebuild_releases(last_, budget_) : cover_releases(last_, budget_);
     cover_fresh_[c] = true;
   }
-  plan_.build(last_, how, learned_from_, cover_[c]);
+  plan_.build(last_, how, learned_from_, cover_[c],
+              StepPlan::retained(last_, retain_limit_, followed ? plan_.holds() : std::vector<StepPlan::Hold>()));
 }
 
 void StepTrace::set_budget(int64_t bytes) {
@@ -378,6 +398,7 @@ void StepTrace::set_planning(bool on) {
     plan_ = StepPlan();
     following_ = false;
     deaths_whole_ = false;
+    held_.clear();
     value_storage_.clear();
   }
 }
@@ -458,6 +479,15 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       .def_property_readonly("following", &StepTrace::following, "The step so far is its plan's.")
       .def_property_readonly("num_divergences", &StepTrace::num_divergences, "Steps that left their plan.")
       .def_property_readonly("num_cover_steps", &StepTrace::num_cover_steps, "Steps that followed a cover plan whole.")
+      .def_property_readonly("num_retained", &StepTrace::num_retained,
+                             "Values held past the program's free of them for a rerun that reads them (csrc/step_plan.h).")
+      .def_property(
+          "retain_limit", &StepTrace::retain_limit,
+          [](StepTrace& t, int64_t bytes) {
+            if (bytes < 0) throw py::value_error("pymem: retain_limit is a number of bytes (0: hold none), got " + std::to_string(bytes));
+            t.set_retain_limit(bytes);
+          },
+          "The largest value a plan holds past the program's free of it, in bytes (0: none).")
       .def_property("budget", &StepTrace::budget, &StepTrace::set_budget,
                     "Bytes the step's values may occupy, for plans that cover it (0: none).")
       .def_property_readonly(
@@ -534,6 +564,23 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       "The releases a learned plan (csrc/step_plan.h) makes in a step like `step`, learned from the releases and "
       "comebacks of `learned_from` (a dict with released_at, released_value, back_at, back_value): (position, "
       "value) pairs, as cover_releases gives.");
+  m.attr("RETAIN_SHARE") = StepPlan::kRetainShare;
+  m.def(
+      "retained_values",
+      [](py::dict step, int64_t retain_limit, const std::vector<std::tuple<int32_t, int32_t, int32_t>>& before) {
+        StepArrays s = step_from_dict(step);
+        events_from_dict(step, s, true);
+        std::vector<StepPlan::Hold> held;
+        for (const auto& [v, from, until] : before) held.push_back({v, from, until});
+        std::vector<std::tuple<int32_t, int32_t, int32_t>> out;
+        for (const StepPlan::Hold& h : StepPlan::retained(s, retain_limit, held)) out.emplace_back(h.value, h.from, h.until);
+        return out;
+      },
+      py::arg("step"), py::arg("retain_limit"), py::arg("before") = std::vector<std::tuple<int32_t, int32_t, int32_t>>(),
+      "The values a plan for a step like `step` (a dict with its deaths, value_free_at and value_overwrites, and its "
+      "events, released_at, released_value, back_at, back_value) holds past the program's free of them "
+      "(csrc/step_plan.h): (value, the op after which it is held, the op after which it is let go) triples. "
+      "`before`: the holds `step` ran with, in the same form.");
   m.def(
       "comeback_cost",
       [](py::dict step) {

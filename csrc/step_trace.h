@@ -88,6 +88,10 @@ class StepTrace {
   bool covering() const { return following_ && StepPlan::covers(plan_.releases()); }
   int64_t num_divergences() const { return num_divergences_; }  // steps that left their plan
   int64_t num_cover_steps() const { return num_cover_steps_; }  // steps that followed a cover plan whole
+  int64_t num_retained() const { return num_retained_; }  // values held past the program's free (step_plan.h)
+  // The largest value a plan holds past the program's free of it (0: none held).
+  int64_t retain_limit() const { return retain_limit_; }
+  void set_retain_limit(int64_t bytes) { retain_limit_ = bytes; }
   // Planned seconds until r's value is next read in this step (+infinity: not again in this step);
   // negative when the plan cannot say (not following, or r's value not seen in this step).
   double seconds_to_next_use(const RecordObject* r) const;
@@ -156,6 +160,10 @@ class StepTrace {
   // watched from its last use in the plan (its producer, if none) until its storage dies, so each
   // op checks the few values past their last use that are still held, not every live one.
   void watch_deaths(int32_t k);                 // after op k was booked (and matched the plan)
+  // The plan's holds (step_plan.h) after op k: those let go then go, those due are taken (a value in
+  // memory, about to be freed by the program). A held value's storage has one holder more than the
+  // program's, which watch_deaths discounts: the deaths recorded stay the program's.
+  void hold(int32_t k);
   // The value of this step among `inputs` whose storage `made` is (an in-place op's), or -1.
   int32_t overwritten(const RecordObject* made, c10::ArrayRef<RecordObject*> inputs) const;
   // This step's values' storages, by value (while watching): weak, as records would hold what their
@@ -164,6 +172,9 @@ class StepTrace {
   std::vector<int32_t> free_at_;                // by value: the op after which it died; -1: alive
   std::vector<int32_t> dying_;                  // values past their last use, still held
   bool deaths_whole_ = false;                   // watched since the step's start, plan followed
+  std::unordered_map<int32_t, at::Tensor> held_;  // value -> the strong tensor holding its storage
+  int64_t retain_limit_ = 0;
+  int64_t num_retained_ = 0;
   // By value index: bit 0, offloaded in this step (note_offload); bit 1, in the step before.
   std::vector<uint8_t> offloaded_;
   std::vector<int32_t> offloaded_at_;  // by value index: the step position of its last note_offload

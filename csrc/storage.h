@@ -35,6 +35,7 @@ class StorageRef {
  public:
   explicit StorageRef(const at::Tensor& t);
   bool alive() const { return !weak_.expired(); }
+  size_t use_count() const { return weak_.use_count(); }  // its holders (storage_use_count's)
   uintptr_t key() const { return key_; }
   size_t nbytes() const { return nbytes_; }  // what the storage held when referenced
   // Alive and holding no buffer.

@@ -215,6 +215,7 @@ class Runtime(_C.RuntimeBase):
             # (allocator="native" has no arena: the cap is the budget's.)
             small = self.arena.small_region_size if self.arena is not None else 0
             self.trace.budget = budget - small if self.swap is None else 0
+            self.trace.retain_limit = budget // _C.RETAIN_SHARE  # rebuild's holds (csrc/step_plan.h)
             if self.arena is not None:  # each step's large blocks placed where the step before showed room
                 self.arena.step_placement = True
         self.lock = _C.RuntimeLock()  # threading.RLock's contract; the fast path takes it without a call
@@ -855,6 +856,7 @@ class Runtime(_C.RuntimeBase):
             "num_planned_releases": self.num_planned_releases,
             "plan_divergences": self.trace.num_divergences,
             "plan_cover_steps": self.trace.num_cover_steps,
+            "plan_retained": self.trace.num_retained,
             "num_records": len(self.table),
             "num_pinned_storages": sum(1 for r in self.table.values() if r.pins),
             "num_managed_threads": len(self.threads.managed),

@@ -5,7 +5,8 @@ unplanned (the policy alone). Every later step follows a plan made one of five w
 csrc/plan_choice.h chooses by what the steps that followed each way brought back:
 ``learned`` (the releases of the step before, made right after their last use: csrc/step_plan.h),
 ``cover`` and ``rebuild`` (the cheapest cover of where the step overflows its budget, each
-comeback priced with its lineage, or with what its rerun rebuilds: csrc/plan_cover.h),
+comeback priced with its lineage, or with what its rerun rebuilds: csrc/plan_cover.h; ``rebuild``
+also holds small values the program freed that a rerun of the step before rebuilt: csrc/step_plan.h),
 ``belady`` (no early release; pressure scored by the plan's next uses) or ``greedy`` (the
 policy alone, as the first step).
 
@@ -82,8 +83,17 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
     choice = _C.PlanChoice()
     steps: List[Dict] = []
 
+    # csrc/step_plan.h's retention (kRebuild's holds): value -> the op after which it is let go,
+    # from each step that ran a plan (the runtime watches no deaths in its unplanned first step).
+    holds: Dict[int, int] = {}
+    retain_limit = first.budget // _C.RETAIN_SHARE
+
     def run(sim: Simulator, how: str) -> Tuple[Dict, Dict, Dict]:
+        nonlocal holds
         out = sim.run()
+        if how != "none":
+            before = [(v, int(trace.value_free_at[v]), until) for v, until in sim.retain.items()]
+            holds = {v: until for v, _, until in _C.retained_values(dict(step, **sim.events), retain_limit, before)}
         kw["copy_ahead"] = copy_ahead(trace, sim)
         kw["placement"] = sim.next_placement
         cost = _C.comeback_cost(dict(step, back_at=sim.events["back_at"], back_value=sim.events["back_value"]))
@@ -98,7 +108,8 @@ def replay_planned(trace: Trace, budget: int, **kw) -> Dict:
 
     def simulator(how: str) -> Simulator:
         if how in COVERS:
-            return Simulator(trace, budget, plan="auto", releases=covers[how], releases_chains=True, **kw)
+            return Simulator(trace, budget, plan="auto", releases=covers[how], releases_chains=True,
+                             retain=holds if how == "rebuild" else None, **kw)
         if how == "greedy":  # the policy alone, as the unplanned first step
             return Simulator(trace, budget, plan="off", **kw)
         return Simulator(trace, budget, plan="auto", **kw)  # belady: next uses, no early release

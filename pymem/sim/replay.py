@@ -39,7 +39,9 @@ simulator's, and it follows the runtime's (``runtime/run_op``, ``pressure.py``, 
 
 A compaction's moves are copies on the device (``launch + bytes / (memory bandwidth / 2)`` each: read
 and written), on the compute stream. With ``releases`` (a step plan's: pymem/sim/plan.py) values are
-also released right after the op the plan names, as ``runtime.release_planned`` does.
+also released right after the op the plan names, as ``runtime.release_planned`` does; with
+``retain`` (a ``rebuild`` plan's holds) a value the program frees stays in memory, releasable, until
+right after the op the plan lets it go at, as the step trace holds its storage (csrc/step_plan.h).
 
 Overhead = (the step's own seconds + recomputes + exposed copies + moves) / the step's own seconds.
 Deterministic: nothing here reads a timer or a random number.
@@ -138,7 +140,8 @@ class Simulator:
                  prefetch: bool = True, releases: Sequence[Tuple[int, int]] = (), releases_chains: bool = False,
                  lead: Optional[Dict[int, float]] = None, move_bytes_per_s: Optional[float] = None,
                  copy_ahead: Optional[Dict[int, object]] = None,
-                 placement: Optional[Tuple[Sequence[int], Sequence[int]]] = None) -> None:
+                 placement: Optional[Tuple[Sequence[int], Sequence[int]]] = None,
+                 retain: Optional[Dict[int, int]] = None) -> None:
         if plan not in ("auto", "off"):
             raise ValueError(f"plan must be 'auto' or 'off', got {plan!r}")
         releases = [(int(k), int(v)) for k, v in releases]
@@ -155,6 +158,13 @@ class Simulator:
             raise ValueError(f"copy_ahead must map values of the trace (0..{trace.num_values - 1}) to the op "
                              f"after which their copy out may start (-1: the step's start), or to that and "
                              f"the position of their expected release; got {bad[:3]}")
+        retain = {int(v): int(k) for v, k in (retain or {}).items()}
+        bad = [(v, k) for v, k in retain.items() if not (0 <= v < trace.num_values and 0 <= k < trace.num_ops)]
+        if bad:
+            raise ValueError(f"retain must map values of the trace (0..{trace.num_values - 1}) to the op after "
+                             f"which they are let go (0..{trace.num_ops - 1}); got {bad[:3]}")
+        if retain and plan != "auto":
+            raise ValueError("retained values come from a step plan: give plan='auto' with them")
         if placement is not None and (len(placement) != 2 or len(placement[0]) != len(placement[1])):
             raise ValueError("placement must be (offsets, sizes) of equal lengths, as "
                              "Arena.step_placement_plan() gives them")
@@ -228,6 +238,11 @@ class Simulator:
             self.due.setdefault(k, []).append(v)
         self.releases_chains = releases_chains
         self.planned_releases = 0
+        # The step plan's retained values (csrc/step_plan.h): retain[v], the op after which v, kept
+        # past the program's free of it for a rerun that reads it, is let go; let_go[k], those held then.
+        self.retain = retain
+        self.let_go: Dict[int, List[_Value]] = {}
+        self.retained = 0
         # What the step trace notes for the next step's plan (csrc/step_trace.h: releases, comebacks).
         self.events: Dict[str, List[int]] = {"released_at": [], "released_value": [], "back_at": [], "back_value": []}
         self.move_seconds = 0.0
@@ -825,7 +840,14 @@ class Simulator:
         for d in self.frees_after.get(k, ()):
             v = self.values[d]
             v.dead = True
-            if v.locks == 0:
+            until = self.retain.get(d, -1)
+            if until > k and v.state == RESIDENT:  # held past the program's free (runtime.retain)
+                self.let_go.setdefault(until, []).append(v)
+                self.retained += 1
+            elif v.locks == 0:
+                self._drop(v)
+        for v in self.let_go.pop(k, ()):  # the hold ends: what a rerun rebuilt or kept goes
+            if v.state == RESIDENT and v.locks == 0:
                 self._drop(v)
         if k in self.ahead_after:
             self._copy_ahead(k)
@@ -894,6 +916,7 @@ class Simulator:
                "step_seconds": base, "recomputes": self.recomputes, "copies_back": self.copies_back,
                "compactions": int(st["num_compactions"]), "moved_bytes": int(st["moved_bytes"]),
                "compaction_seconds": self.move_seconds, "planned_releases": self.planned_releases,
+               "retained": self.retained,
                "retries": self.retries,
                "placed_as_planned": int(st["num_placed_as_planned"]),
                "displaced_from_plan": int(st["num_displaced_from_plan"]),
