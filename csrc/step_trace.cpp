@@ -290,6 +290,7 @@ void StepTrace::watch_deaths(int32_t k) {
 void StepTrace::hold(int32_t k) {
   for (auto [v, end] = plan_.let_go_after(static_cast<size_t>(k)); v != end; ++v) held_.erase(*v);
   for (auto [v, end] = plan_.holds_after(static_cast<size_t>(k)); v != end; ++v) {
+    if (static_cast<size_t>(*v) >= value_storage_.size()) continue;  // not seen in this step
     const auto& storage = value_storage_[static_cast<size_t>(*v)];  // watched: deaths_whole_
     if (storage && storage->alive() && !storage->evicted()) {
       held_.emplace(*v, storage->strong());
