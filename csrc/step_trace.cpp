@@ -463,6 +463,8 @@ void bind_step_trace(py::module_& m) {  // bindings.cpp calls it
       .def(
           "note_back", [](StepTrace& t, py::handle r) { t.note_back(record_arg(r, "note_back")); }, py::arg("record"),
           "While planning: the record's value is back in memory now.")
+      .def("let_go", &StepTrace::let_go,
+           "Let every value held past the program's free of it go now (csrc/step_plan.h): the runtime stops.")
       .def("take_due", &StepTrace::take_due, "The live records of the values the plan releases after the op just booked.")
       .def(
           "note_offload", [](StepTrace& t, py::handle r) { t.note_offload(record_arg(r, "note_offload")); },

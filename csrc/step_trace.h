@@ -110,6 +110,8 @@ class StepTrace {
   // While planning: r's value leaves memory now (the plan of the next step releases it early).
   void note_release(const RecordObject* r) { note(r, current_.released_at, current_.released_value); }
   void note_back(const RecordObject* r) { note(r, current_.back_at, current_.back_value); }  // and back now
+  // Lets every value held past the program's free go now (the runtime stops mid-step).
+  void let_go() { held_.clear(); }
   // The live records of the values the plan releases after the op just booked.
   pybind11::list take_due();
   // Offloading: r's value goes to host memory now. While the steps follow their plan, the value

@@ -129,3 +129,29 @@ def test_rebuild_holds_what_its_reruns_read_and_the_trace_keeps_the_program_deat
     assert set(held) <= set(observed)
     for i in observed:  # the program's deaths, whether the plan held values or not
         assert np.array_equal(deaths[i], deaths[observed[0]]), (i, ways[i])
+
+
+def test_stopping_mid_step_lets_held_values_go_and_training_goes_on_bitwise(managed):
+    """pymem.disable() in the middle of a `rebuild` step, right after the forward pass took its
+    holds: the held values are let go (the program freed them: not brought back), what pressure
+    evicted comes back, and the backward pass and the steps after run unmanaged, bitwise equal."""
+    import runtime_models as rm
+
+    steps = 9
+    ref_losses, ref_params = rm.run("gpt", steps)
+    budget = budget_at(rm.unmanaged_peak("gpt", 2), 0.3)
+    rt = pymem.enable(budget=budget, device="cpu", cost=CostModel(3e10, 7e9, 4e-6), plan="auto")
+    rt.trace.retain_limit = 1 << 20
+    step = rm.trainer("gpt", 0)
+    seen = {}
+
+    def stop_once_holding(module, args, out):
+        if not seen and rt.trace.plan_releases == "rebuild" and rt.trace.num_retained > 0:
+            seen["held"] = rt.trace.num_retained
+            pymem.disable()
+
+    step.model.register_forward_hook(stop_once_holding)
+    losses = [step() for _ in range(steps)]
+    assert seen and not pymem.is_enabled(), "no rebuild step held values before the forward pass ended"
+    params = [p.detach().clone() for p in step.model.parameters()]
+    assert_bitwise_equal("gpt stopped mid-step", (ref_losses, ref_params), (losses, params))

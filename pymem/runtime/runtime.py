@@ -257,6 +257,7 @@ class Runtime(_C.RuntimeBase):
             self.swap.close()  # copies in flight land in the arena first
         self.backend.uninstall(self)
         with self.lock:  # an op another thread has in flight finishes its bookkeeping first
+            self.trace.let_go()  # a value the plan held past its free is the program's no more: not restored
             evicted = [r for r in self.table.values() if r.evicted and r.sref.alive]
             remat.restore(self, evicted)
             self.table.clear()
