@@ -9,7 +9,8 @@ peak; a number: that share of the unmanaged peak), in one process: ``--steps`` t
 ``plan="off"`` (the policy alone), then with ``plan="auto"``, both under
 ``cost=CostModel(1e11, 1e10, 5e-6)``, so every decision repeats run to run. Per step: the
 recompute seconds (``remat_seconds``, at the fixed costs), the MiB compaction moved, and the way the
-step was planned (csrc/plan_choice.h: learned, cover, rebuild, belady, greedy; "-" before the plan starts).
+step was planned (csrc/plan_choice.h: learned, cover, rebuild, belady, greedy; "-" before the plan starts)
+and the values ``rebuild`` held past the program's free of them (``plan_retained``, csrc/step_plan.h).
 Printed: each step, and the means over the steps after the trials (``plan="auto"``: from the first
 step the choice made; ``plan="off"``: the same steps), the recompute also as a share of the forward
 pass at the same costs (issue 13's target at the checkpointed peak: at most half). ``--bound``: also
@@ -64,7 +65,8 @@ def run(name, budget, plan, steps, last_step=None, step_placement=True, cost=COS
             step()
             after = pymem.memory_stats()
             rows.append((way, after["remat_seconds"] - before["remat_seconds"],
-                         (after["moved_bytes"] - before["moved_bytes"]) / MiB))
+                         (after["moved_bytes"] - before["moved_bytes"]) / MiB,
+                         after["plan_retained"] - before["plan_retained"]))
             before = after
         if last_step is not None:
             last_step.append(pymem.step_trace())
@@ -151,14 +153,16 @@ def main(argv=None):
                     print(f"  {label:<12} plan={plan:<4}  infeasible")
                     continue
                 tail = rows[settled_from:]
-                ways = sorted({w for w, _, _ in tail})
-                remat = statistics.mean(s for _, s, _ in tail)
+                ways = sorted({w for w, *_ in tail})
+                remat = statistics.mean(s for _, s, *_ in tail)
                 entry[plan] = {"feasible": True, "steps": rows, "ways_settled": ways,
                                "remat_seconds_settled": remat, "remat_forwards_settled": remat / forward,
-                               "moved_mib_settled": statistics.mean(m for _, _, m in tail)}
+                               "moved_mib_settled": statistics.mean(m for _, _, m, _ in tail),
+                               "held_settled": statistics.mean(h for *_, h in tail)}
                 print(f"  {label:<12} plan={plan:<4}  settled: {remat:.4f} s recompute ({remat / forward:.2f} of a "
-                      f"forward), {entry[plan]['moved_mib_settled']:5.1f} MiB moved per step, ways {'/'.join(ways)}")
-                print("      " + " ".join(f"{w[:2]}:{s:.3f}" for w, s, _ in rows))
+                      f"forward), {entry[plan]['moved_mib_settled']:5.1f} MiB moved, {entry[plan]['held_settled']:.1f} "
+                      f"values held past their free per step, ways {'/'.join(ways)}")
+                print("      " + " ".join(f"{w[:2]}:{s:.3f}" for w, s, *_ in rows))
                 if last_step:
                     from milp_optimum import recompute_lower_bound, recompute_lower_bound_lineage
                     bound, _ = recompute_lower_bound(last_step[0], budget)
