@@ -15,15 +15,15 @@ from test_sim import MiB, _trace
 torch.set_num_threads(2)
 
 
-def _step(free_at, back=(), released=(), overwrites=None, producer=None, recomputable=None, nbytes=None):
-    """Five ops, five values: v made by op v (v0 made before the step); ``back``/``released``:
-    (position, value) events."""
+def _step(free_at, back=(), released=(), overwrites=None, recomputable=None, nbytes=None):
+    """Five ops (op k reads value k), five values (value 0 made before the step, value v by op v - 1);
+    ``back``/``released``: (position, value) events."""
     n = m = 5
     return {"op": np.zeros(n, np.int32), "op_cost": np.ones(n), "inputs_start": np.arange(n + 1),
-            "inputs": np.array([0, 1, 2, 3, 4], np.int32), "outputs_start": np.arange(n + 1),
-            "outputs": np.array([1, 2, 3, 4, 0], np.int32) % m,
+            "inputs": np.array([0, 1, 2, 3, 4], np.int32), "outputs_start": np.array([0, 1, 2, 3, 4, 4]),
+            "outputs": np.array([1, 2, 3, 4], np.int32),
             "value_bytes": np.array(nbytes or [1024] * m, np.int64),
-            "value_producer": np.array(producer or [4, 0, 1, 2, 3], np.int32),
+            "value_producer": np.array([-1, 0, 1, 2, 3], np.int32),
             "value_recomputable": np.array(recomputable or [1] * m, np.uint8),
             "value_free_at": np.array(free_at, np.int32),
             "value_overwrites": np.array(overwrites or [-1] * m, np.int32),
