@@ -38,8 +38,7 @@
 // (held, it came back no more, so that step alone no longer shows why). A value some op overwrote
 // in place is never held: its storage is the new value's. The other ways hold nothing, so the
 // choice among them (plan_choice.h) measures holding too: it costs memory that pressure must then
-// find elsewhere (in the simulator, GPT-2 XL's 50 MB activations held forward to backward cost more
-// than they saved).
+// find elsewhere (see kRetainShare).
 // Two ways release nothing early: kBelady (pressure alone releases, scored by the plan's next
 // uses) and kGreedy (the policy alone, as without a plan: StepTrace hides the next uses; the step is
 // still checked against the plan, so that it is measured as the others are). plan_choice.h chooses.

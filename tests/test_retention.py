@@ -9,6 +9,7 @@ import pymem
 from pymem import _C
 from pymem.cost_model import CostModel
 from pymem.sim.replay import EVICTED, RESIDENT, Simulator
+import runtime_models as rm
 from bitwise_harness import assert_bitwise_equal, budget_at
 from test_sim import MiB, _trace
 
@@ -92,20 +93,26 @@ def test_the_simulator_holds_a_retained_value_for_its_rerun_then_lets_it_go():
         Simulator(t, 1 << 30, plan="off", device=None, retain={2: 4})
 
 
-def test_rebuild_holds_what_its_reruns_read_and_the_trace_keeps_the_program_deaths(managed):
-    """TinyGPT (runtime_models' gpt) at 0.3 of its peak: values the program frees in the forward pass
-    (dropout's masks, block outputs) come back in backward for attention's and the MLP's reruns.
-    `rebuild`'s steps hold them; every step that followed its plan records the same deaths, held or
-    not; training stays bitwise equal, within the budget. (At this scale they are 256 KiB, over
-    budget / 256: the limit is raised to hold them.)"""
-    import runtime_models as rm
-
-    steps = 12
-    ref_losses, ref_params = rm.run("gpt", steps)
+def _gpt_planned(steps):
+    """The unmanaged run of ``steps`` steps of runtime_models' gpt (losses, final parameters), then
+    pymem enabled for it at 0.3 of its peak, plan="auto" at fixed costs, holding up to 1 MiB (its
+    values that come back after their free are 256 KiB, over budget / 1024): (that run, the budget,
+    the runtime)."""
+    ref = rm.run("gpt", steps)
     budget = budget_at(rm.unmanaged_peak("gpt", 2), 0.3)
     rt = pymem.enable(budget=budget, device="cpu", cost=CostModel(3e10, 7e9, 4e-6), plan="auto")
     assert rt.trace.retain_limit == budget // _C.RETAIN_SHARE
     rt.trace.retain_limit = 1 << 20
+    return ref, budget, rt
+
+
+def test_rebuild_holds_what_its_reruns_read_and_the_trace_keeps_the_program_deaths(managed):
+    """TinyGPT (runtime_models' gpt) at 0.3 of its peak: values the program frees in the forward pass
+    (dropout's masks, block outputs) come back in backward for attention's and the MLP's reruns.
+    `rebuild`'s steps hold them; every step that followed its plan records the same deaths, held or
+    not; training stays bitwise equal, within the budget."""
+    steps = 12
+    (ref_losses, ref_params), budget, rt = _gpt_planned(steps)
     try:
         step = rm.trainer("gpt", 0)
         losses, deaths, ways, retained = [], [], [], []
@@ -133,21 +140,16 @@ def test_rebuild_holds_what_its_reruns_read_and_the_trace_keeps_the_program_deat
 
 def test_stopping_mid_step_lets_held_values_go_and_training_goes_on_bitwise(managed):
     """pymem.disable() in the middle of a `rebuild` step, right after the forward pass took its
-    holds: the held values are let go (the program freed them: not brought back), what pressure
-    evicted comes back, and the backward pass and the steps after run unmanaged, bitwise equal."""
-    import runtime_models as rm
-
+    holds: the holds go with the runtime, what pressure evicted comes back, and the backward pass and
+    the steps after run unmanaged, bitwise equal."""
     steps = 9
-    ref_losses, ref_params = rm.run("gpt", steps)
-    budget = budget_at(rm.unmanaged_peak("gpt", 2), 0.3)
-    rt = pymem.enable(budget=budget, device="cpu", cost=CostModel(3e10, 7e9, 4e-6), plan="auto")
-    rt.trace.retain_limit = 1 << 20
+    (ref_losses, ref_params), _, rt = _gpt_planned(steps)
     step = rm.trainer("gpt", 0)
-    seen = {}
+    seen = []
 
     def stop_once_holding(module, args, out):
         if not seen and rt.trace.plan_releases == "rebuild" and rt.trace.num_retained > 0:
-            seen["held"] = rt.trace.num_retained
+            seen.append(rt.trace.num_retained)
             pymem.disable()
 
     step.model.register_forward_hook(stop_once_holding)

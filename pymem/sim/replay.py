@@ -841,7 +841,7 @@ class Simulator:
             v = self.values[d]
             v.dead = True
             until = self.retain.get(d, -1)
-            if until > k and v.state == RESIDENT:  # held past the program's free (runtime.retain)
+            if until > k and v.state == RESIDENT:  # held past the program's free (StepTrace::hold)
                 self.let_go.setdefault(until, []).append(v)
                 self.retained += 1
             elif v.locks == 0:
