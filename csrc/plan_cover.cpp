@@ -88,8 +88,10 @@ struct Profile {
     }
     if (excess == 0) return;  // a step that never overflows needs nothing else
     // A value's inputs: its producer's, each once (itself left out: an in-place op reads what it
-    // writes). An op's distinct inputs are found once and shared by its outputs (foreach ops have
-    // thousands of each).
+    // writes), less the one it overwrote unread (value_blank_rerun: a dropout mask's rerun needs
+    // no activation back; counted read, the mask's rerun at 0.3 of the transformer's peak replayed
+    // the whole MLP chain, which the runtime does not). An op's distinct inputs are found once and
+    // shared by its outputs (foreach ops have thousands of each).
     std::vector<uint32_t> mark(m, 0);
     uint32_t op_mark = 0;
     std::vector<std::vector<int32_t>> op_inputs_of(n);  // only for ops that made values
@@ -110,8 +112,9 @@ struct Profile {
       for (size_t v = 0; v < m; ++v) {
         const int32_t p = s.value_producer[v];
         if (p < 0) continue;
+        const int32_t blank = s.value_blank_rerun.empty() || !s.value_blank_rerun[v] ? -1 : s.value_overwrites[v];
         for (int32_t w : op_inputs_of[static_cast<size_t>(p)])
-          if (w != static_cast<int32_t>(v)) emit(static_cast<int32_t>(v), w);
+          if (w != static_cast<int32_t>(v) && w != blank) emit(static_cast<int32_t>(v), w);
       }
     });
   }

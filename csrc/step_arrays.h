@@ -20,6 +20,7 @@ struct StepArrays {
   std::vector<uint8_t> value_recomputable;
   std::vector<int32_t> value_free_at;  // optional (empty: not known); see step_trace.h
   std::vector<int32_t> value_overwrites;  // optional (empty: not known); see step_trace.h
+  std::vector<uint8_t> value_blank_rerun;  // optional (empty: not known); see step_trace.h
   std::vector<int32_t> released_at;
   std::vector<int32_t> released_value;
   std::vector<int32_t> back_at;

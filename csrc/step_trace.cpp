@@ -2,6 +2,7 @@
 #include "step_trace.h"
 
 #include "plan_cover.h"
+#include "recipe.h"
 #include "record.h"
 #include "storage.h"
 
@@ -51,6 +52,11 @@ void check_step(const StepArrays& s) {
     bad("value_overwrites, when given, needs one entry per value (value_bytes)");
   for (int32_t w : s.value_overwrites)
     if (w < -1 || (w >= 0 && static_cast<size_t>(w) >= m)) bad("value_overwrites must be a value index or -1");
+  if (!s.value_blank_rerun.empty() && s.value_blank_rerun.size() != m)
+    bad("value_blank_rerun, when given, needs one entry per value (value_bytes)");
+  for (size_t v = 0; v < s.value_blank_rerun.size(); ++v)
+    if (s.value_blank_rerun[v] > 1 || (s.value_blank_rerun[v] == 1 && (s.value_overwrites.size() != m || s.value_overwrites[v] < 0)))
+      bad("value_blank_rerun must be 0 or 1, and 1 only where value_overwrites names the value overwritten");
   for (size_t v = 0; v < s.value_free_at.size(); ++v) {
     const int32_t f = s.value_free_at[v];
     if (f < -1 || (f >= 0 && static_cast<size_t>(f) >= n)) bad("value_free_at must be an op position or -1");
@@ -98,6 +104,7 @@ StepArrays step_from_dict(py::dict d) {
   get_key(d, "value_recomputable", s.value_recomputable);
   if (d.contains("value_free_at")) get_key(d, "value_free_at", s.value_free_at);
   if (d.contains("value_overwrites")) get_key(d, "value_overwrites", s.value_overwrites);
+  if (d.contains("value_blank_rerun")) get_key(d, "value_blank_rerun", s.value_blank_rerun);
   check_step(s);
   return s;
 }
@@ -141,11 +148,21 @@ py::dict as_dict(const StepArrays& s) {
   d["value_recomputable"] = as_array(s.value_recomputable);
   if (!s.value_free_at.empty()) d["value_free_at"] = as_array(s.value_free_at);
   if (!s.value_overwrites.empty()) d["value_overwrites"] = as_array(s.value_overwrites);
+  if (!s.value_blank_rerun.empty()) d["value_blank_rerun"] = as_array(s.value_blank_rerun);
   d["released_at"] = as_array(s.released_at);
   d["released_value"] = as_array(s.released_value);
   d["back_at"] = as_array(s.back_at);
   d["back_value"] = as_array(s.back_value);
   return d;
+}
+
+// Whether a rerun of what made `made` reads `input`'s value: its recipe lists it (a blank, an input
+// the op overwrote whole without reading it, is no record of the recipe). No recipe: no rerun.
+bool reads_record(const RecordObject* made, const RecordObject* input) {
+  if (made->recipe == nullptr || made->recipe == Py_None) return true;
+  std::vector<PyObject*> read;
+  append_input_records(made->recipe, read);
+  return std::find(read.begin(), read.end(), reinterpret_cast<const PyObject*>(input)) != read.end();
 }
 
 }  // namespace
@@ -184,6 +201,7 @@ int32_t StepTrace::new_value(RecordObject* r, int32_t producer) {
     value_storage_.push_back(storage != nullptr ? std::optional<StorageRef>(*storage) : std::nullopt);
     free_at_.push_back(-1);
     s.value_overwrites.push_back(-1);
+    s.value_blank_rerun.push_back(0);
   }
   if (following_ && static_cast<size_t>(v) < offloaded_.size() && offloaded_[static_cast<size_t>(v)] != 0)
     ahead_.emplace_back(py::reinterpret_borrow<py::object>(reinterpret_cast<PyObject*>(r)),
@@ -215,8 +233,11 @@ bool StepTrace::record_op(int32_t code, double cost, int64_t transient, c10::Arr
   for (RecordObject* r : made) {
     s.outputs.push_back(new_value(r, k));
     if (!deaths_whole_) continue;
-    const int32_t w = overwritten(r, inputs);
+    const RecordObject* over = overwritten(r, inputs);
+    if (over == nullptr) continue;
+    const auto w = static_cast<int32_t>(over->trace_value);
     s.value_overwrites.back() = w;
+    s.value_blank_rerun.back() = !reads_record(r, over);
     if (w >= 0 && value_storage_[static_cast<size_t>(w)]) {  // its bytes are r's now
       free_at_[static_cast<size_t>(w)] = std::max(k - 1, s.value_producer[static_cast<size_t>(w)]);
       value_storage_[static_cast<size_t>(w)].reset();
@@ -245,14 +266,14 @@ bool StepTrace::record_op(int32_t code, double cost, int64_t transient, c10::Arr
   return !due_.empty() || !ahead_.empty();
 }
 
-int32_t StepTrace::overwritten(const RecordObject* made, c10::ArrayRef<RecordObject*> inputs) const {
+const RecordObject* StepTrace::overwritten(const RecordObject* made, c10::ArrayRef<RecordObject*> inputs) const {
   // The runtime hands an overwritten input's storage to the record of what the op wrote there
   // (run_op: the old record keeps no storage), before the op is booked.
   for (RecordObject* r : inputs)
     if (r != nullptr && r != made && storage_ref_of(r) == nullptr && r->nbytes == made->nbytes &&
         r->trace_step == step() && r->trace_value >= 0)
-      return static_cast<int32_t>(r->trace_value);
-  return -1;
+      return r;
+  return nullptr;
 }
 
 void StepTrace::watch_deaths(int32_t k) {
@@ -329,9 +350,10 @@ py::list StepTrace::take_due() {
     auto it = watched_.find(v);
     if (held_.count(v) != 0) continue;  // held for a rerun: the program freed it (a dead value is not released early)
     if (it == watched_.end()) continue;
+    // Kept watched: a plan may release a value again after a rerun brought it back (a cover's
+    // stretches, rebuild's "released again right after"). Erased here, only its first went.
     PyObject* r = PyWeakref_GetObject(it->second.ptr());  // borrowed; None once dead
     if (r != nullptr && r != Py_None) out.append(py::handle(r));
-    watched_.erase(it);
   }
   due_.clear();
   return out;
@@ -341,8 +363,10 @@ void StepTrace::end_step(double moved_seconds) {
   held_.clear();  // a hold ends with its step
   if (deaths_whole_ && current_.op.size() == plan_.size())  // the plan followed whole: every value watched
     current_.value_free_at = std::move(free_at_);
-  else
+  else {
     current_.value_overwrites.clear();
+    current_.value_blank_rerun.clear();
+  }
   last_ = std::move(current_);
   current_ = StepArrays();
   ++num_steps_;

@@ -31,7 +31,13 @@
 //                                The runtime records it for a step that followed its plan whole.
 //                value_overwrites[v]  the value whose storage v's producer wrote in place to make v
 //                                (-1: a fresh storage); optional, as value_free_at. A rerun of that
-//                                op does not read the value it overwrote (a blank buffer, or a copy).
+//                                op does not reuse the value's storage (a blank buffer, or a copy).
+//                value_blank_rerun[v]  1 where v's producer wrote over all of value_overwrites[v]
+//                                without reading it (fill_, bernoulli_, copy_ over a whole
+//                                storage): its rerun starts from a blank buffer and needs not that
+//                                value (dropout's mask needs no activation back); 0 where it reads
+//                                it (div_, add_: the rerun copies it first) or overwrote nothing.
+//                                Optional, as value_overwrites (empty: every rerun reads it).
 // A value's uses are the ops whose inputs list it (forward and backward alike).
 //   releases:    released_at[i], released_value[i]   while planning: value released_value[i] left
 //                memory (evicted or offloaded) while op released_at[i] ran (or after it, when the
@@ -166,8 +172,8 @@ class StepTrace {
   // memory, about to be freed by the program). A held value's storage has one holder more than the
   // program's, which watch_deaths discounts: the deaths recorded stay the program's.
   void hold(int32_t k);
-  // The value of this step among `inputs` whose storage `made` is (an in-place op's), or -1.
-  int32_t overwritten(const RecordObject* made, c10::ArrayRef<RecordObject*> inputs) const;
+  // The input of this step whose storage `made` took over (an in-place op's), or null.
+  const RecordObject* overwritten(const RecordObject* made, c10::ArrayRef<RecordObject*> inputs) const;
   // This step's values' storages, by value (while watching): weak, as records would hold what their
   // recipes read. Empty once its death (or an in-place write over it) was noted.
   std::vector<std::optional<StorageRef>> value_storage_;

@@ -228,6 +228,40 @@ def test_a_cover_step_releases_the_covers_picks_where_it_planned_them(managed):
     assert checked == {"cover": 2, "rebuild": 2}
 
 
+
+def test_a_value_the_plan_releases_twice_leaves_memory_both_times(managed):
+    """A cover may release a value, bring it back for a read, and release it again after that
+    read (its tail, or a second gap). The step trace watches the value's record for every one of
+    them: it once stopped at the first, so each second release was left to pressure."""
+    import collections
+    import runtime_models as rm
+
+    budget = budget_at(measure_peak(lambda: rm.trainer("gpt"), 2), 0.5)
+    rt = pymem.enable(budget=budget, device="cpu", cost=FIXED, plan="auto")
+    step = rm.trainer("gpt")
+    seconds = 0
+    for _ in range(pymem._C.PlanChoice.TRIAL_STEPS + 2):
+        way = rt.trace.plan_releases
+        cover = {"cover": pymem._C.cover_releases, "rebuild": pymem._C.rebuild_releases}.get(way)
+        picks = cover(rt.trace.last_step(), rt.trace.budget) if cover else []
+        step()
+        if not cover:
+            continue
+        s = rt.trace.last_step()
+        released = set(zip(s["released_at"].tolist(), s["released_value"].tolist()))
+        back = collections.defaultdict(list)
+        for at, v in zip(s["back_at"].tolist(), s["back_value"].tolist()):
+            back[v].append(at)
+        by_value = collections.defaultdict(list)
+        for at, v in picks:
+            by_value[v].append(at)
+        # The second of two picks of a value that came back in between (resident then).
+        again = [(ats[1], v) for v, ats in by_value.items() if len(ats) > 1 and any(ats[0] < b <= ats[1] for b in back[v])]
+        assert again and {(at + 1, v) for at, v in again} <= released, (way, again)
+        seconds += 1
+    assert seconds == 4  # both covers' trial steps
+
+
 def test_the_lineage_cover_keeps_the_cheapest_of_its_covers_of_slightly_less_memory():
     """bench/milp_optimum.py's 6-layer MLP at 0.6 of its peak: greedy at the budget itself releases
     layer 4's output, whose rerun replays the chain from the input (7 layer reruns in all); its
@@ -278,3 +312,35 @@ def test_the_covers_plan_for_the_main_region_so_the_step_releases_only_what_they
     out = simulate(trace, int(0.8 * trace.peak_bytes()), policy="dtr", plan="auto", device="h100")
     assert out["status"] == "ok" and out["plan_releases"] in ("cover", "rebuild"), out
     assert out["evictions"] == out["planned_releases"] > 0, out
+
+
+def _dropout_step(blank):
+    """x (0) before the step; a = costly(x) (1, cost 10); m0 = empty_like(a) (2); m1 = bernoulli_(m0)
+    (3: in place over m0, which it reads not when ``blank``); y = a * m1 (4; a dies here);
+    z = other(x) (5, cost 5); big(x) (6) overflows a 4.5 KB budget by 512 B; then op 6 reads m1, z
+    and y. One of m1, y or z is away across op 5, back for op 6, with a dead by then."""
+    s = _step([(10, [0]), (0.001, [1]), (1, [2]), (0.1, [1, 3]), (5, [0]), (1, [0]), (1, [3, 5, 4])])
+    s["value_bytes"][7] = 1  # op 6's output: 512 B aligned
+    s["value_free_at"] = [-1, 3, 1, 6, 6, 6, 5, -1]
+    s["value_overwrites"] = [-1, -1, -1, 2, -1, -1, -1, -1]
+    s["value_blank_rerun"] = [0, 0, 0, int(blank), 0, 0, 0, 0]
+    return s
+
+
+@pytest.mark.parametrize("cover", COVERS, ids=["lineage", "rebuild"])
+def test_a_mask_made_over_a_blank_buffer_comes_back_without_the_activation_it_was_shaped_from(cover):
+    budget = 4 * KB + 512
+    # Read, the overwritten m0 is dead at op 6, and so is a: m1's rerun would redo both (11.001);
+    # z (5) is cheaper. Blank (bernoulli_ never reads it, as the runtime's recipe has it): 1.
+    assert cover(_dropout_step(blank=False), budget) == [(4, 5)]
+    assert cover(_dropout_step(blank=True), budget) == [(3, 3)]
+    no_flags = {k: v for k, v in _dropout_step(blank=True).items() if k != "value_blank_rerun"}
+    assert cover(no_flags, budget) == [(4, 5)]  # not known: every rerun reads what it overwrote
+
+
+def test_a_blank_rerun_flag_is_only_taken_where_a_value_was_overwritten():
+    s = _dropout_step(blank=True)
+    with pytest.raises(ValueError, match="value_blank_rerun must be 0 or 1, and 1 only where value_overwrites"):
+        pymem._C.cover_releases(dict(s, value_blank_rerun=[0, 0, 0, 0, 1, 0, 0, 0]), KB)
+    with pytest.raises(ValueError, match="value_blank_rerun, when given, needs one entry per value"):
+        pymem._C.rebuild_releases(dict(s, value_blank_rerun=[0, 1]), KB)

@@ -436,6 +436,45 @@ def test_trace_round_trips_and_refuses_bad_files(tmp_path):
         broken.check()
 
 
+
+def _dropout_trace(blank):
+    """x (a leaf) -> a (cost 10) -> m0 = empty_like(a) -> m1 = bernoulli_(m0) in place (reading m0
+    not when ``blank``) -> y = a * m1, where a dies; then an op reads m1 and y."""
+    ops = [("costly", 10.0, [0], [1]), ("empty_like", 0.001, [1], [2]), ("bernoulli_", 1.0, [2], [3]),
+           ("mul", 0.1, [1, 3], [4]), ("other", 1.0, [0], [5]), ("use", 1.0, [3, 4], [6])]
+    values = [(MiB, -1, 0, -1), (MiB, 0, 1, 3), (MiB, 1, 1, 2), (MiB, 2, 1, 5), (MiB, 3, 1, 5), (MiB, 4, 1, 4),
+              (MiB, 5, 1, -1)]
+    t = _trace(ops, values)
+    t.value_overwrites[3] = 2
+    t.value_blank_rerun[3] = int(blank)
+    t.check()
+    return t
+
+
+@pytest.mark.parametrize("blank", [False, True])
+def test_a_rerun_over_a_blank_buffer_reads_not_what_it_overwrote(blank):
+    # m1 released after op 3, back for op 5: blank, its rerun is bernoulli_ alone (as the runtime's
+    # recipe, a blank buffer); read, it needs m0 again (dead), so empty_like, so a (dead): costly.
+    sim = Simulator(_dropout_trace(blank), 1 << 30, policy="dtr", plan="auto", device=None, releases=[(3, 3)],
+                    releases_chains=True)
+    out = sim.run()
+    assert out["status"] == "ok" and out["planned_releases"] == 1
+    assert out["recompute_seconds"] == pytest.approx(1.0 if blank else 11.001)
+    assert sorted(sim.events["back_value"]) == ([3] if blank else [1, 2, 3])
+
+
+def test_trace_keeps_its_blank_reruns_and_reads_files_without_them(tmp_path):
+    t = _dropout_trace(True)
+    t.save(str(tmp_path / "step.npz"))
+    assert Trace.load(str(tmp_path / "step.npz")).value_blank_rerun.tolist() == [0, 0, 0, 1, 0, 0, 0]
+    with np.load(str(tmp_path / "step.npz")) as f:  # a file written before the field: all reruns read
+        np.savez(str(tmp_path / "old.npz"), **{k: f[k] for k in f.files if k != "value_blank_rerun"})
+    assert not Trace.load(str(tmp_path / "old.npz")).value_blank_rerun.any()
+    t.value_blank_rerun[4] = 1  # y was made by no in-place op
+    with pytest.raises(TraceError, match="1 only where value_overwrites names the value overwritten"):
+        t.check()
+
+
 # --- capture on meta --------------------------------------------------------------------------
 class _Net(torch.nn.Module):
     def __init__(self):
@@ -459,6 +498,21 @@ def _steps(device, optimizer=True):
         if optimizer:
             opt.step()
     return step
+
+
+
+def test_capture_tells_a_blank_overwrite_from_one_that_reads():
+    # Dropout's mask, as torch makes it off CUDA: bernoulli_ over empty_like (blank), div_ over that (read).
+    x = torch.randn(32, 64, device="meta", requires_grad=True)
+
+    def step():
+        (x * torch.nn.functional.dropout(torch.ones_like(x), 0.5)).sum().backward()
+    step()
+    t = capture(step)
+    written = {t.op_name(int(t.value_producer[v])): int(t.value_blank_rerun[v])
+               for v in np.flatnonzero(t.value_overwrites >= 0)}
+    div = next(n for n in written if n.startswith("aten.div_."))
+    assert written["aten.bernoulli_.float"] == 1 and written[div] == 0
 
 
 def test_capture_sees_ops_frees_mutations_and_backward():

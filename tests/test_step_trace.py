@@ -153,3 +153,9 @@ def test_in_place_writes_that_read_what_they_overwrite_are_told_apart(managed):
     assert set(written) == {"aten.bernoulli_.float", div}
     assert producer[written[div]] == names.index("aten.bernoulli_.float")
     assert {n: overwrites_unread(n) for n in written} == {"aten.bernoulli_.float": True, div: False}
+    # What the covers read (csrc/plan_cover.cpp): the runtime's recipe for bernoulli_ takes a blank
+    # buffer, so its rerun needs not empty_like's value (nor the x it was shaped from); div_'s reads.
+    blank = st["value_blank_rerun"]
+    made = {names[producer[v]]: int(blank[v]) for v in range(len(over)) if producer[v] >= 0 and over[v] >= 0}
+    assert made == {"aten.bernoulli_.float": 1, div: 0}
+    assert blank.sum() == 1

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..cost_model import op_flops, tensor_bytes
+from ..runtime.ops import overwrites_unread
 from .trace import Trace
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -46,6 +47,7 @@ class _Booking(TorchDispatchMode):
         self.producer: List[int] = []
         self.free_at: List[int] = []
         self.overwrites: List[int] = []
+        self.blank: List[int] = []  # value_blank_rerun
         self.current: Dict[int, int] = {}  # id(storage) -> its value now
         self.backward_at = -1
         self.closed = False
@@ -58,12 +60,13 @@ class _Booking(TorchDispatchMode):
         if v is not None and not self.closed:
             self.free_at[v] = max(len(self.op) - 1, 0)
 
-    def _new_value(self, storage, key: int, producer: int, overwrites: int = -1) -> int:
+    def _new_value(self, storage, key: int, producer: int, overwrites: int = -1, blank: bool = False) -> int:
         v = len(self.value_bytes)
         self.value_bytes.append(int(storage.nbytes()))
         self.producer.append(producer)
         self.free_at.append(-1)
         self.overwrites.append(overwrites)
+        self.blank.append(int(blank))
         if overwrites >= 0:
             self.free_at[overwrites] = producer  # its bytes are v's from here
         else:
@@ -97,18 +100,20 @@ class _Booking(TorchDispatchMode):
         if self.backward_at < 0 and torch._C._current_autograd_node() is not None:
             self.backward_at = k
         outs: List[int] = []
-        written = False
-        for i, a in enumerate(func._schema.arguments):
-            if a.alias_info is None or not a.alias_info.is_write:
-                continue
-            written = True
+        name = str(func)
+        writes = [(i, a) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        written = bool(writes)
+        for i, a in writes:
             x = kwargs[a.name] if a.name in kwargs else args[i] if i < len(args) else None
             for t in (x if isinstance(x, (list, tuple)) else (x,)):
                 if isinstance(t, torch.Tensor):
                     s = t.untyped_storage()
                     old = self.current.get(id(s))
                     if old is not None and old not in outs:
-                        outs.append(self._new_value(s, id(s), k, overwrites=old))
+                        # The runtime's blank (Runtime._refs): one written argument, all of its storage.
+                        blank = len(writes) == 1 and overwrites_unread(name) and t.is_contiguous() and \
+                            t.storage_offset() == 0 and t.numel() * t.element_size() == s.nbytes()
+                        outs.append(self._new_value(s, id(s), k, overwrites=old, blank=blank))
         flat_out = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         fresh = False
         for o in flat_out:
@@ -116,7 +121,6 @@ class _Booking(TorchDispatchMode):
             if id(s) not in self.current:
                 outs.append(self._new_value(s, id(s), k))
                 fresh = True
-        name = str(func)
         self.op.append(self.names.setdefault(name, len(self.names)))
         self.flops.append(op_flops(func, args, kwargs, out))
         self.nbytes.append(tensor_bytes(flat_in) + tensor_bytes(flat_out))
@@ -153,7 +157,8 @@ class _Booking(TorchDispatchMode):
                   inputs_start=_starts(self.ins), inputs=_flat(self.ins), outputs_start=_starts(self.outs),
                   outputs=_flat(self.outs), value_bytes=np.array(self.value_bytes, np.int64), value_producer=producer,
                   value_recomputable=recomputable.astype(np.uint8), value_free_at=free_at,
-                  value_overwrites=overwrites, backward_at=self.backward_at, meta=meta)
+                  value_overwrites=overwrites, backward_at=self.backward_at, meta=meta,
+                  value_blank_rerun=np.array(self.blank, np.uint8))
         t.check("captured step")
         return t
 

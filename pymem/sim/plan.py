@@ -48,6 +48,7 @@ def step_arrays(trace: Trace, seconds: np.ndarray) -> Dict[str, np.ndarray]:
     if trace.meta.get("deaths") != "last read":
         step["value_free_at"] = trace.value_free_at
         step["value_overwrites"] = trace.value_overwrites
+        step["value_blank_rerun"] = trace.value_blank_rerun
     return step
 
 

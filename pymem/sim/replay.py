@@ -283,8 +283,15 @@ class Simulator:
 
     # --- the graph ---
     def parents(self, v: int):
+        """What a rerun of v's producer reads: its inputs, less the value it overwrote unread
+        (value_blank_rerun: the runtime's recipe takes a blank buffer for it)."""
         p = int(self.trace.value_producer[v])
-        return self.op_ins[p] if p >= 0 else ()
+        if p < 0:
+            return ()
+        if self.trace.value_blank_rerun[v]:
+            blank = int(self.trace.value_overwrites[v])
+            return [w for w in self.op_ins[p] if w != blank]
+        return self.op_ins[p]
 
     def neighbours(self, v: int) -> List[int]:
         """v's neighbours in the op graph (its recipe's inputs, the values made from it): fixed, so
@@ -673,7 +680,7 @@ class Simulator:
             v.last_access = self.clock
             return
         p = int(self.trace.value_producer[v.index])
-        inputs = [self.values[i] for i in self.op_ins[p]]
+        inputs = [self.values[i] for i in self.parents(v.index)]
         for a in inputs:
             a.locks += 1
         try:

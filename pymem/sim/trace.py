@@ -17,6 +17,10 @@ output values, each value's bytes, producer and recipe) with what a replay at an
                value_free_at[v]   the op after which its storage dies (-1: alive at the step's end)
                value_overwrites[v]  the value whose storage an in-place op rewrote to make v
                                   (-1: a fresh storage): v takes over its bytes, nothing is allocated
+               value_blank_rerun[v]  1: that op wrote over all of it without reading it (fill_,
+                                  bernoulli_, copy_ over a whole storage), so a rerun of it starts
+                                  from a blank buffer and reads not that value (csrc/step_trace.h);
+                                  optional in a file (absent: all 0)
   backward_at  the first op of the backward pass (-1: none)
   meta         a JSON string: where the trace came from (model, batch, dtype, source)
 
@@ -60,6 +64,11 @@ class Trace:
     value_overwrites: np.ndarray
     backward_at: int = -1
     meta: Dict = field(default_factory=dict)
+    value_blank_rerun: Optional[np.ndarray] = None  # None: every rerun reads what its op overwrote
+
+    def __post_init__(self) -> None:
+        if self.value_blank_rerun is None:
+            self.value_blank_rerun = np.zeros(len(self.value_bytes), np.uint8)
 
     @property
     def num_ops(self) -> int:
@@ -81,7 +90,8 @@ class Trace:
     def save(self, path: str) -> None:
         arrays = {name: getattr(self, name) for name in (*_OP_ARRAYS, *_VALUE_ARRAYS, *_EDGE_ARRAYS)}
         np.savez_compressed(path, op_names=np.array(self.op_names, dtype=str), backward_at=np.int64(self.backward_at),
-                            meta=np.array(json.dumps(self.meta)), **arrays)
+                            meta=np.array(json.dumps(self.meta)),
+                            value_blank_rerun=np.asarray(self.value_blank_rerun, np.uint8), **arrays)
 
     @classmethod
     def load(cls, path: str) -> "Trace":
@@ -96,6 +106,7 @@ class Trace:
             raise TraceError(f"{path}: not a pymem trace: missing {', '.join(missing)}")
         t = cls(op_names=[str(s) for s in data["op_names"]], backward_at=int(data["backward_at"]),
                 meta=json.loads(str(data["meta"])),
+                value_blank_rerun=data["value_blank_rerun"].astype(np.uint8) if "value_blank_rerun" in data else None,
                 **{k: data[k].astype(d, copy=False) for k, d in {**_OP_ARRAYS, **_VALUE_ARRAYS, **_EDGE_ARRAYS}.items()})
         t.check(path)
         return t
@@ -109,6 +120,12 @@ class Trace:
         for name in _VALUE_ARRAYS:
             if len(getattr(self, name)) != m:
                 raise TraceError(f"{where}: {name} has {len(getattr(self, name))} entries for {m} values")
+        blank = self.value_blank_rerun
+        if len(blank) != m:
+            raise TraceError(f"{where}: value_blank_rerun has {len(blank)} entries for {m} values")
+        if np.any(blank > 1) or np.any((blank == 1) & (self.value_overwrites < 0)):
+            raise TraceError(f"{where}: value_blank_rerun must be 0 or 1, and 1 only where value_overwrites names "
+                             "the value overwritten")
         for starts, items in (("inputs_start", "inputs"), ("outputs_start", "outputs")):
             s, x = getattr(self, starts), getattr(self, items)
             if len(s) != n + 1 or s[0] != 0 or s[-1] != len(x) or np.any(np.diff(s) < 0):
@@ -170,7 +187,9 @@ def from_step_arrays(step: Dict[str, np.ndarray], op_name, meta: Optional[Dict] 
     if observed:
         free_at = np.where(producer >= 0, np.asarray(step["value_free_at"]), -1).astype(np.int32)
         overwrites = np.asarray(step["value_overwrites"], dtype=np.int32)
+        blank = np.asarray(step["value_blank_rerun"], np.uint8) if "value_blank_rerun" in step else None
     else:
+        blank = None
         free_at = np.where((producer >= 0) & (recomputable == 1), last, -1).astype(np.int32)
         overwrites = np.full(m, -1, np.int32)
     t = Trace(op_names=[op_name(c) for c in codes], op=np.array([index[c] for c in op.tolist()], dtype=np.int32),
@@ -180,6 +199,6 @@ def from_step_arrays(step: Dict[str, np.ndarray], op_name, meta: Optional[Dict] 
               outputs_start=np.asarray(step["outputs_start"], np.int64), outputs=np.asarray(step["outputs"], np.int32),
               value_bytes=np.asarray(step["value_bytes"], np.int64), value_producer=producer,
               value_recomputable=recomputable, value_free_at=free_at, value_overwrites=overwrites,
-              meta=dict(meta or {}, source="runtime", deaths="observed" if observed else "last read"))
+              value_blank_rerun=blank, meta=dict(meta or {}, source="runtime", deaths="observed" if observed else "last read"))
     t.check("runtime step")
     return t
