@@ -228,7 +228,6 @@ def test_a_cover_step_releases_the_covers_picks_where_it_planned_them(managed):
     assert checked == {"cover": 2, "rebuild": 2}
 
 
-
 def test_a_value_the_plan_releases_twice_leaves_memory_both_times(managed):
     """A cover may release a value, bring it back for a read, and release it again after that
     read (its tail, or a second gap). The step trace watches the value's record for every one of
@@ -239,7 +238,7 @@ def test_a_value_the_plan_releases_twice_leaves_memory_both_times(managed):
     budget = budget_at(measure_peak(lambda: rm.trainer("gpt"), 2), 0.5)
     rt = pymem.enable(budget=budget, device="cpu", cost=FIXED, plan="auto")
     step = rm.trainer("gpt")
-    seconds = 0
+    checked = 0
     for _ in range(pymem._C.PlanChoice.TRIAL_STEPS + 2):
         way = rt.trace.plan_releases
         cover = {"cover": pymem._C.cover_releases, "rebuild": pymem._C.rebuild_releases}.get(way)
@@ -258,8 +257,8 @@ def test_a_value_the_plan_releases_twice_leaves_memory_both_times(managed):
         # The second of two picks of a value that came back in between (resident then).
         again = [(ats[1], v) for v, ats in by_value.items() if len(ats) > 1 and any(ats[0] < b <= ats[1] for b in back[v])]
         assert again and {(at + 1, v) for at, v in again} <= released, (way, again)
-        seconds += 1
-    assert seconds == 4  # both covers' trial steps
+        checked += 1
+    assert checked == 4  # both covers' trial steps
 
 
 def test_the_lineage_cover_keeps_the_cheapest_of_its_covers_of_slightly_less_memory():

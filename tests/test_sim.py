@@ -436,7 +436,6 @@ def test_trace_round_trips_and_refuses_bad_files(tmp_path):
         broken.check()
 
 
-
 def _dropout_trace(blank):
     """x (a leaf) -> a (cost 10) -> m0 = empty_like(a) -> m1 = bernoulli_(m0) in place (reading m0
     not when ``blank``) -> y = a * m1, where a dies; then an op reads m1 and y."""
@@ -498,7 +497,6 @@ def _steps(device, optimizer=True):
         if optimizer:
             opt.step()
     return step
-
 
 
 def test_capture_tells_a_blank_overwrite_from_one_that_reads():
