@@ -238,7 +238,7 @@ bool StepTrace::record_op(int32_t code, double cost, int64_t transient, c10::Arr
     const auto w = static_cast<int32_t>(over->trace_value);
     s.value_overwrites.back() = w;
     s.value_blank_rerun.back() = !reads_record(r, over);
-    if (w >= 0 && value_storage_[static_cast<size_t>(w)]) {  // its bytes are r's now
+    if (value_storage_[static_cast<size_t>(w)]) {  // its bytes are r's now
       free_at_[static_cast<size_t>(w)] = std::max(k - 1, s.value_producer[static_cast<size_t>(w)]);
       value_storage_[static_cast<size_t>(w)].reset();
     }

@@ -72,6 +72,13 @@ class OpInfo:
 _cache: Dict[object, OpInfo] = {}
 
 
+def covers_storage(t, nbytes: int) -> bool:
+    """Whether tensor ``t`` spans all ``nbytes`` of its storage, contiguously from its start: an op
+    that overwrites it unread (OpInfo.overwrites) then leaves no old byte, and its recompute starts
+    from a blank buffer (Runtime._refs; the simulator's capture applies the same rule)."""
+    return t.is_contiguous() and t.storage_offset() == 0 and t.numel() * t.element_size() == nbytes
+
+
 def op_info(func) -> OpInfo:
     info = _cache.get(func)
     if info is None:

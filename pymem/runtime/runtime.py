@@ -17,7 +17,7 @@ from ..policies import Planned, Policy
 from . import fixed_threads, interception as _interception, remat, settings as _settings
 from .backends import ArenaBackend, NativeBackend
 from .hooks import CpuHook, CudaLibHook
-from .ops import in_flight, mutated_tensors, op_info
+from .ops import covers_storage, in_flight, mutated_tensors, op_info
 from .pressure import PressureHandler
 from .compile_warning import CompileWarning
 from .fallbacks import KernelFallbacks, refusals_here as _refusals_here
@@ -796,8 +796,7 @@ class Runtime(_C.RuntimeBase):
             elif r.recipe is None:
                 refs.append(ArgRef(None, self._leaf_hold(r), t, False))
             elif mut_slots is not None and j in mut_slots:
-                if info.overwrites and t.is_contiguous() and t.storage_offset() == 0 and \
-                        t.numel() * t.element_size() == r.nbytes:
+                if info.overwrites and covers_storage(t, r.nbytes):
                     refs.append(ArgRef(None, None, t, True, blank_nbytes=r.nbytes))
                 else:
                     refs.append(ArgRef(r, None, t, True))

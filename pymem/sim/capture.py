@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from ..cost_model import op_flops, tensor_bytes
-from ..runtime.ops import overwrites_unread
+from ..runtime.ops import covers_storage, op_info
 from .trace import Trace
 
 _HALF = (torch.bfloat16, torch.float16)
@@ -100,19 +100,18 @@ class _Booking(TorchDispatchMode):
         if self.backward_at < 0 and torch._C._current_autograd_node() is not None:
             self.backward_at = k
         outs: List[int] = []
-        name = str(func)
-        writes = [(i, a) for i, a in enumerate(func._schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
-        written = bool(writes)
-        for i, a in writes:
+        written = False
+        for i, a in enumerate(func._schema.arguments):
+            if a.alias_info is None or not a.alias_info.is_write:
+                continue
+            written = True
             x = kwargs[a.name] if a.name in kwargs else args[i] if i < len(args) else None
             for t in (x if isinstance(x, (list, tuple)) else (x,)):
                 if isinstance(t, torch.Tensor):
                     s = t.untyped_storage()
                     old = self.current.get(id(s))
                     if old is not None and old not in outs:
-                        # The runtime's blank (Runtime._refs): one written argument, all of its storage.
-                        blank = len(writes) == 1 and overwrites_unread(name) and t.is_contiguous() and \
-                            t.storage_offset() == 0 and t.numel() * t.element_size() == s.nbytes()
+                        blank = op_info(func).overwrites and covers_storage(t, s.nbytes())  # the runtime's blank
                         outs.append(self._new_value(s, id(s), k, overwrites=old, blank=blank))
         flat_out = [o for o in tree_leaves(out) if isinstance(o, torch.Tensor)]
         fresh = False
@@ -121,6 +120,7 @@ class _Booking(TorchDispatchMode):
             if id(s) not in self.current:
                 outs.append(self._new_value(s, id(s), k))
                 fresh = True
+        name = str(func)
         self.op.append(self.names.setdefault(name, len(self.names)))
         self.flops.append(op_flops(func, args, kwargs, out))
         self.nbytes.append(tensor_bytes(flat_in) + tensor_bytes(flat_out))
