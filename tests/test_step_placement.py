@@ -116,6 +116,33 @@ def test_lifetimes_no_order_packs_by_lowest_offset_are_packed_into_the_smallest_
     assert a.stats()["num_displaced_from_plan"] == 0
 
 
+def test_lifetimes_no_single_pass_packs_are_packed_with_the_left_out_blocks_first():
+    """Five blocks in 6 MiB: a (3 MiB) with b (2), then c and d (2 each) with b, then e (3) with c.
+    None of the eight single passes (four orders, at the lowest offset or into the smallest gap)
+    packs them: largest first puts a and e at 0, b at 3 and d at 0, and leaves c no room beside b
+    and e. On the build before, the plan left c to best fit and compaction moved 6 MiB every step.
+    Passed over again with what each pass left out first, allocation order's third pass (c, d, a,
+    b, e) packs all five (a and c at 0, d and e at 2, b at 4), and the repeated step moves nothing."""
+    a, live = _compacting_arena(6 * MiB, True)
+    events = ["+a", "+b", "-a", "+c", "+d", "-d", "-b", "+e", "-e", "-c"]
+    sizes = {"a": 3, "b": 2, "c": 2, "d": 2, "e": 3}
+    moved = []
+    for _ in range(4):
+        before = a.stats()["moved_bytes"]
+        for ev in events:
+            name = ev[1]
+            if ev[0] == "+":
+                live[name] = a.allocate(sizes[name] * MiB)
+            else:
+                a.free(live.pop(name))
+        a.end_step()
+        moved.append(a.stats()["moved_bytes"] - before)
+        offsets, _ = a.step_placement_plan()
+        assert list(offsets) == [0, 4 * MiB, 0, 2 * MiB, 2 * MiB]
+    assert moved[1:] == [0, 0, 0]
+    assert a.stats()["num_displaced_from_plan"] == 0
+
+
 def test_a_block_that_outlives_its_step_is_planned_around_its_successor():
     """g (a gradient) is made late in a step and freed early in the next, before the next g: the
     plan puts the next g where the last one was, not beside it."""
