@@ -171,6 +171,10 @@ void StepPlacement::end_step(const std::vector<Live>& live, size_t region_size) 
       for (size_t o = 0; o < std::size(orders) && !whole; ++o) {
         std::sort(order.begin(), order.end(), orders[o]);
         for (size_t pass = 0; pass < passes && !whole; ++pass) {
+          if (pass == 0 && o == 0 && !best_fit) {  // the pass made above
+            plan = plan_;
+            continue;
+          }
           if (pass > 0) std::stable_partition(order.begin(), order.end(), [&](size_t k) { return plan[k] < 0; });
           std::vector<Span> spans = obstacles;
           if (pack(order, best_fit, plan, spans) == 0) {
