@@ -50,6 +50,23 @@ def _fragmenting_step(a, live):
     a.end_step()
 
 
+def _repeat(a, live, events, sizes, steps=4):
+    """``steps`` steps of ``events`` ("+x": allocate x's ``sizes[x]`` MiB, "-x": free it), each
+    ended: per step, the plan's offsets for the next and the bytes compaction moved."""
+    plans = []
+    for _ in range(steps):
+        before = a.stats()["moved_bytes"]
+        for ev in events:
+            name = ev[1]
+            if ev[0] == "+":
+                live[name] = a.allocate(sizes[name] * MiB)
+            else:
+                a.free(live.pop(name))
+        a.end_step()
+        plans.append((list(a.step_placement_plan()[0]), a.stats()["moved_bytes"] - before))
+    return plans
+
+
 def test_a_repeated_step_moves_nothing_after_the_first():
     moved = {}
     for placement in (False, True):
@@ -99,20 +116,9 @@ def test_lifetimes_no_order_packs_by_lowest_offset_are_packed_into_the_smallest_
     a, live = _compacting_arena(6 * MiB, True)
     events = ["+a", "+b", "-b", "+c", "+d", "-a", "+e", "-c", "+f", "-d", "-e", "-f"]
     sizes = {"a": 2, "b": 3, "c": 1, "d": 2, "e": 1, "f": 3}
-    moved = []
-    for _ in range(4):
-        before = a.stats()["moved_bytes"]
-        for ev in events:
-            name = ev[1]
-            if ev[0] == "+":
-                live[name] = a.allocate(sizes[name] * MiB)
-            else:
-                a.free(live.pop(name))
-        a.end_step()
-        moved.append(a.stats()["moved_bytes"] - before)
-        offsets, _ = a.step_placement_plan()
-        assert -1 not in list(offsets)
-    assert moved[1:] == [0, 0, 0]
+    plans = _repeat(a, live, events, sizes)
+    assert all(-1 not in offsets for offsets, _ in plans)
+    assert [moved for _, moved in plans][1:] == [0, 0, 0]
     assert a.stats()["num_displaced_from_plan"] == 0
 
 
@@ -126,20 +132,9 @@ def test_lifetimes_no_single_pass_packs_are_packed_with_the_left_out_blocks_firs
     a, live = _compacting_arena(6 * MiB, True)
     events = ["+a", "+b", "-a", "+c", "+d", "-d", "-b", "+e", "-e", "-c"]
     sizes = {"a": 3, "b": 2, "c": 2, "d": 2, "e": 3}
-    moved = []
-    for _ in range(4):
-        before = a.stats()["moved_bytes"]
-        for ev in events:
-            name = ev[1]
-            if ev[0] == "+":
-                live[name] = a.allocate(sizes[name] * MiB)
-            else:
-                a.free(live.pop(name))
-        a.end_step()
-        moved.append(a.stats()["moved_bytes"] - before)
-        offsets, _ = a.step_placement_plan()
-        assert list(offsets) == [0, 4 * MiB, 0, 2 * MiB, 2 * MiB]
-    assert moved[1:] == [0, 0, 0]
+    plans = _repeat(a, live, events, sizes)
+    assert all(offsets == [0, 4 * MiB, 0, 2 * MiB, 2 * MiB] for offsets, _ in plans)
+    assert [moved for _, moved in plans][1:] == [0, 0, 0]
     assert a.stats()["num_displaced_from_plan"] == 0
 
 
