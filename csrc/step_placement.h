@@ -18,8 +18,8 @@
 // first, most bytes x clock first, allocation order: which order packs a full region turns on the
 // lifetimes), then all four putting each block into the smallest gap that holds it (TFLite's
 // greedy by size), each order passed over again with the blocks it left out first (a squeaky
-// wheel; bounded, end_step), and the first that gives every block an offset is the plan. In the next step,
-// allocation k takes its planned offset when that range is free. When it is not, a block of this
+// wheel; bounded, end_step), and the first that gives every block an offset is the plan. In the
+// next step, allocation k takes its planned offset when that range is free. When it is not, a block of this
 // step outlived its counterpart of the step before (the step before's pressure released it there,
 // or compaction moved it): allocation k is displaced. It then goes to
 // the lowest free range that no planned block whose lifetime meets k's covers (the plan's room for
